@@ -1,0 +1,3 @@
+from llmgw.cli import main
+
+main()
