@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from llmgw.commands import engines, kv, simengine
+from llmgw.commands import controlplane, db, engines, kv, simengine, up
 
 __all__ = ["app", "main"]
 
@@ -15,6 +15,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.command("up")(up.up)
+app.add_typer(db.app, name="db")
+app.command("controlplane")(controlplane.controlplane)
 app.add_typer(kv.app, name="kv")
 app.add_typer(engines.app, name="engines")
 app.command(

@@ -1,0 +1,229 @@
+"""`llmgw up`: the all-in-one deployment on one machine.
+
+A private Postgres in the data dir, migrated to head, then the control plane as
+a child process (so it can fail and be restarted on its own; the node agent
+and the demo model on the simulator join it as later pieces land). Ctrl-C
+(SIGINT) or SIGTERM stops the children, then Postgres, cleanly; a second run
+reuses the data dir, its admin token and everything stored.
+
+What it must not do: hold the only copy of anything (all state is in Postgres
+or the data dir), or start over a data dir another `llmgw up` holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from llmgw.embedded_postgres import DataDirInUseError, EmbeddedPostgres
+from llmgw.errors import ConfigError, ConflictError, EngineStartError
+from llmgw.logs import get_logger
+
+__all__ = ["AllInOne", "UpOptions"]
+
+log = get_logger("llmgw.up")
+
+_ADMIN_TOKEN_FILE = "admin_token"
+_UP_JSON = "up.json"
+_CHILD_READY_TIMEOUT_S = 60.0
+# A child that keeps dying is restarted with growing pauses, not in a hot loop.
+_RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    data_dir: Path
+    host: str
+    port: int  # the public OpenAI endpoint (served once the gateway lands)
+    admin_port: int  # the control plane's internal listener: admin API, health
+    demo: bool
+    log_level: str
+    config_path: Path | None
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _write_private(path: Path, content: str) -> None:
+    """Write a file only its owner can read, atomically (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(content)
+    os.replace(tmp, path)
+
+
+def load_or_create_admin_token(data_dir: Path) -> str:
+    path = data_dir / _ADMIN_TOKEN_FILE
+    if path.is_file():
+        token = path.read_text().strip()
+        if len(token) >= 16:
+            return token
+        raise ConfigError(
+            f"{path} holds a token shorter than 16 characters; delete the file to have a new one "
+            "generated (clients using the old token will need the new one)"
+        )
+    token = secrets.token_urlsafe(32)
+    _write_private(path, token + "\n")
+    return token
+
+
+class AllInOne:
+    def __init__(self, opts: UpOptions, *, say: Callable[[str], None] = print) -> None:
+        self.opts = opts
+        self._say = say
+        self._stop = threading.Event()
+        self._pg: EmbeddedPostgres | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.opts.host}:{self.opts.admin_port}"
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        opts = self.opts
+        opts.data_dir.mkdir(parents=True, exist_ok=True)
+        if not _port_free(opts.host, opts.admin_port):
+            raise ConflictError(
+                f"port {opts.admin_port} on {opts.host} is in use; pick another with --admin-port "
+                "(or stop what holds it)",
+                field="--admin-port",
+            )
+        token = load_or_create_admin_token(opts.data_dir)
+        self._pg = EmbeddedPostgres(opts.data_dir, progress=self._say)
+        try:
+            url = self._pg.start()
+        except DataDirInUseError as exc:
+            raise ConflictError(
+                f"{exc.message}\nAnother `llmgw up` (or a Postgres) uses {opts.data_dir}; stop it, "
+                "or use another --data-dir",
+                field="--data-dir",
+            ) from None
+        try:
+            from llmgw.controlplane import migrations
+
+            self._say("Migrating the state store ...")
+            migrations.upgrade(url)
+            self._start_controlplane(url, token)
+            self._wait_ready()
+            self._announce(token)
+            self._supervise(url, token)
+        finally:
+            self._stop_child()
+            (opts.data_dir / _UP_JSON).unlink(missing_ok=True)
+            self._pg.stop()
+            self._say("Stopped.")
+        return 0
+
+    def _child_env(self, url: str, token: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["LLMGW_CONTROLPLANE__DATABASE_URL"] = url
+        env["LLMGW_CONTROLPLANE__ADMIN_TOKEN"] = token
+        env["LLMGW_LOG__LEVEL"] = self.opts.log_level
+        return env
+
+    def _start_controlplane(self, url: str, token: str) -> None:
+        cmd = [
+            sys.executable, "-m", "llmgw", "controlplane",
+            "--host", self.opts.host, "--port", str(self.opts.admin_port),
+        ]  # fmt: skip
+        if self.opts.config_path is not None:
+            cmd += ["--config", str(self.opts.config_path)]
+        # Own process group: a Ctrl-C in the terminal reaches us, and we stop the child in order
+        # (control plane before Postgres) instead of both dying at once mid-write.
+        self._child = subprocess.Popen(cmd, env=self._child_env(url, token), start_new_session=True)
+        log.info("child_started", child="controlplane", pid=self._child.pid)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _CHILD_READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            child = self._child
+            if child is not None and child.poll() is not None:
+                raise EngineStartError(
+                    f"the control plane exited with status {child.returncode} while starting; "
+                    "its log above says why"
+                )
+            try:
+                r = httpx.get(f"{self.admin_url}/readyz", timeout=2.0)
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            self._stop.wait(0.1)
+        if not self._stop.is_set():
+            raise EngineStartError(
+                f"the control plane was not ready within {_CHILD_READY_TIMEOUT_S:.0f}s at "
+                f"{self.admin_url}/readyz"
+            )
+
+    def _announce(self, token: str) -> None:
+        info = {
+            "admin_url": self.admin_url,
+            "admin_token": token,
+            "data_dir": str(self.opts.data_dir),
+            "pid": os.getpid(),
+        }
+        _write_private(self.opts.data_dir / _UP_JSON, json.dumps(info, indent=2) + "\n")
+        self._say(
+            "\n"
+            f"llmgw is up.\n"
+            f"  Admin API:    {self.admin_url}/admin/v1   (OpenAPI: {self.admin_url}/docs)\n"
+            f"  Admin token:  {token}\n"
+            f"  Data dir:     {self.opts.data_dir}   (up.json there has both for scripts)\n"
+            f"  Try:          curl -H 'Authorization: Bearer {token}' {self.admin_url}/admin/v1/models\n"
+            "Press Ctrl-C to stop.\n"
+        )
+
+    def _supervise(self, url: str, token: str) -> None:
+        failures = 0
+        started = time.monotonic()
+        while not self._stop.wait(0.5):
+            child = self._child
+            if child is None or child.poll() is None:
+                continue
+            # A child that stayed up a minute earns a fresh backoff; one that keeps dying waits longer.
+            if time.monotonic() - started > 60:
+                failures = 0
+            pause = _RESTART_BACKOFF_S[min(failures, len(_RESTART_BACKOFF_S) - 1)]
+            log.warning(
+                "child_exited", child="controlplane", status=child.returncode, restart_in_s=pause
+            )
+            failures += 1
+            if self._stop.wait(pause):
+                break
+            self._start_controlplane(url, token)
+            started = time.monotonic()
+
+    def _stop_child(self) -> None:
+        child = self._child
+        if child is None or child.poll() is not None:
+            return
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            log.warning("child_kill", child="controlplane", pid=child.pid)
+            child.kill()
+            child.wait()

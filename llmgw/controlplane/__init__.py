@@ -1,0 +1,1 @@
+"""The control plane: state store, admin API, and (later) the agent API, reconciler and gateway."""

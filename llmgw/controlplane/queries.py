@@ -1,0 +1,188 @@
+"""All SQL of the admin API: functions that take a session, flush, never commit.
+
+The caller owns the transaction (``async with session.begin():``), so a request
+that fails half-way leaves nothing behind, and NOTIFY (sent inside it) is
+delivered only if it commits. Rows are locked ``FOR UPDATE`` before an update
+is decided, so two admins racing on one row are serialised by Postgres and the
+loser sees the winner's version: idempotent if it asked for the same thing,
+409 if not. Nothing here formats HTTP; errors are ``llmgw.errors`` types.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from llmgw.controlplane.tables import AuditLog, ClusterInfo, Deployment, Model, Profile
+from llmgw.errors import ConflictError, NotFoundError
+
+__all__ = [
+    "CHANGE_CHANNEL",
+    "apply_changes",
+    "cluster_kv_hash_seed",
+    "delete_deployment",
+    "delete_model",
+    "delete_profile",
+    "get_deployment",
+    "get_model",
+    "get_profile",
+    "list_deployments",
+    "list_models",
+    "list_profiles",
+    "record_audit",
+]
+
+# LISTEN channel the reconciler wakes on. A notification is a hint, never the
+# source of truth: the periodic tick is what guarantees progress.
+CHANGE_CHANNEL = "llmgw_desired_changed"
+
+_Row = TypeVar("_Row", Model, Profile, Deployment)
+
+
+async def _one_by_name(
+    session: AsyncSession, cls: type[_Row], kind: str, name: str, *, lock: bool = False
+) -> _Row:
+    stmt = select(cls).where(cls.name == name)
+    if lock:
+        stmt = stmt.with_for_update()
+    row = (await session.execute(stmt)).scalar_one_or_none()
+    if row is None:
+        raise NotFoundError(
+            f"{kind} {name!r} does not exist; list them with GET /admin/v1/{kind}s", field="name"
+        )
+    return row
+
+
+async def get_model(session: AsyncSession, name: str, *, lock: bool = False) -> Model:
+    return await _one_by_name(session, Model, "model", name, lock=lock)
+
+
+async def get_profile(session: AsyncSession, name: str, *, lock: bool = False) -> Profile:
+    return await _one_by_name(session, Profile, "profile", name, lock=lock)
+
+
+async def get_deployment(session: AsyncSession, name: str, *, lock: bool = False) -> Deployment:
+    return await _one_by_name(session, Deployment, "deployment", name, lock=lock)
+
+
+async def list_models(session: AsyncSession) -> Sequence[Model]:
+    return (await session.execute(select(Model).order_by(Model.name))).scalars().all()
+
+
+async def list_profiles(session: AsyncSession) -> Sequence[Profile]:
+    return (await session.execute(select(Profile).order_by(Profile.name))).scalars().all()
+
+
+async def list_deployments(session: AsyncSession) -> Sequence[Deployment]:
+    return (await session.execute(select(Deployment).order_by(Deployment.name))).scalars().all()
+
+
+async def cluster_kv_hash_seed(session: AsyncSession) -> str:
+    seed = (await session.execute(select(ClusterInfo.kv_hash_seed))).scalar_one()
+    return str(seed)
+
+
+def apply_changes(row: _Row, changes: Mapping[str, Any], *, version: int, kind: str) -> bool:
+    """Apply ``changes`` to a row locked FOR UPDATE; return whether anything changed.
+
+    Asking for what the row already holds succeeds whatever ``version`` says: a
+    client retrying an update whose reply it lost must not get a 409 for its own
+    write. A real change against a stale version is refused, naming both versions.
+    """
+    differs = {k: v for k, v in changes.items() if getattr(row, k) != v}
+    if not differs:
+        return False
+    if version != row.version:
+        raise ConflictError(
+            f"{kind} {row.name!r} is at version {row.version}, the update was based on version "
+            f"{version}: someone else changed it; GET it again, reapply your change and retry",
+            field="version",
+        )
+    for k, v in differs.items():
+        setattr(row, k, v)
+    row.version = row.version + 1
+    row.updated_at = func.now()
+    return True
+
+
+async def _refuse_if_referenced(
+    session: AsyncSession, stmt: Any, what: str, by: str, fix: str
+) -> None:
+    names = (await session.execute(stmt)).scalars().all()
+    if names:
+        listed = ", ".join(repr(n) for n in names[:10])
+        more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+        raise ConflictError(f"{what} is in use by {by} {listed}{more}; {fix}")
+
+
+async def delete_model(session: AsyncSession, name: str) -> Model:
+    model = await get_model(session, name, lock=True)
+    await _refuse_if_referenced(
+        session,
+        select(Profile.name).where(Profile.model_id == model.id).order_by(Profile.name),
+        f"model {name!r}",
+        "profile(s)",
+        "delete or move those first",
+    )
+    await session.delete(model)
+    await session.flush()
+    return model
+
+
+async def delete_profile(session: AsyncSession, name: str) -> Profile:
+    profile = await get_profile(session, name, lock=True)
+    await _refuse_if_referenced(
+        session,
+        select(Deployment.name)
+        .where(Deployment.profile_id == profile.id)
+        .order_by(Deployment.name),
+        f"profile {name!r}",
+        "deployment(s)",
+        "point them at another profile or delete them first",
+    )
+    await session.delete(profile)
+    await session.flush()
+    return profile
+
+
+async def delete_deployment(session: AsyncSession, name: str) -> Deployment:
+    deployment = await get_deployment(session, name, lock=True)
+    # The database trigger marks the deployment's shards for stop in this same statement.
+    await session.delete(deployment)
+    await session.flush()
+    return deployment
+
+
+async def record_audit(
+    session: AsyncSession,
+    *,
+    actor: str,
+    action: str,
+    kind: str,
+    name: str,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+    request_id: str,
+) -> None:
+    """Write one audit row and wake the reconciler, both inside the caller's transaction."""
+    session.add(
+        AuditLog(
+            actor=actor,
+            action=action,
+            object_kind=kind,
+            object_name=name,
+            before=before,
+            after=after,
+            request_id=request_id,
+        )
+    )
+    payload = json.dumps({"kind": kind, "name": name, "action": action})
+    await session.execute(
+        text("SELECT pg_notify(:channel, :payload)"),
+        {"channel": CHANGE_CHANNEL, "payload": payload},
+    )
+    await session.flush()

@@ -1,0 +1,251 @@
+"""Request and response bodies of the admin API (pydantic, at the boundary only).
+
+Every request model forbids unknown fields: a misspelt ``replica`` must be a
+422 naming it, not a silently ignored key and a deployment with the default
+count. Updates carry the ``version`` the client last read (optimistic
+concurrency); every other update field is optional and means "leave as is"
+when absent.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from llmgw.controlplane.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
+
+__all__ = [
+    "AdapterBody",
+    "DeploymentCreate",
+    "DeploymentOut",
+    "DeploymentUpdate",
+    "ErrorBody",
+    "ErrorDetail",
+    "ModelCreate",
+    "ModelOut",
+    "ModelUpdate",
+    "ProfileCreate",
+    "ProfileOut",
+    "ProfileUpdate",
+]
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+RolloutBudget = Annotated[str, StringConstraints(pattern=ROLLOUT_BUDGET_PATTERN)]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Engine = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(
+        description="Stable, machine-readable: spec-invalid, conflict, not-found, ..."
+    )
+    message: str
+    field: str | None = Field(default=None, description="Dotted path of the offending input.")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# --- models -----------------------------------------------------------------
+
+
+class ModelCreate(_Request):
+    name: Name
+    description: str = ""
+
+
+class ModelUpdate(_Request):
+    version: int = Field(ge=1, description="The version you read; a stale one gets 409.")
+    description: str | None = None
+
+
+class ModelOut(_Response):
+    name: str
+    description: str
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- profiles ---------------------------------------------------------------
+
+
+class AdapterBody(_Request):
+    name: Name
+    path: Annotated[str, StringConstraints(min_length=1)]
+
+
+def _check_args(v: list[str] | None) -> list[str] | None:
+    if v is not None and any("\x00" in a for a in v):
+        raise ValueError("an argument may not contain a NUL byte")
+    return v
+
+
+class _ProfileFields(_Request):
+    engine: Engine
+    gpu_class: str = ""
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree.")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel degree.")
+    gpus_per_node: int = Field(default=0, ge=0, description="0: tp x pp on one node.")
+    nodes: int = Field(default=1, ge=1)
+    model_path: Annotated[str, StringConstraints(min_length=1)]
+    served_model_name: str = Field(default="", description="Empty: the model's name.")
+    args: list[str] = Field(
+        default_factory=list, description="Passed to the engine as argv, in order."
+    )
+    env: dict[EnvName, str] = Field(default_factory=dict)
+    secret_env: dict[EnvName, str] = Field(
+        default_factory=dict,
+        description="Variable -> secret reference. Write-only: never returned, never logged, "
+        "not part of the fingerprint.",
+    )
+    adapters: list[AdapterBody] = Field(
+        default_factory=list, description="LoRA adapters, in order."
+    )
+    kv_events: bool = False
+    threads: int = Field(default=0, ge=0, description="CPU threads of a CPU-only shard.")
+    kv_hash_seed: str | None = Field(
+        default=None,
+        description="PYTHONHASHSEED of the engines; None: the cluster's random seed. Never '0'.",
+    )
+    kv_block_size: int = Field(default=16, ge=1, le=4096)
+    kv_hash_algo: Literal["sha256_cbor"] = "sha256_cbor"
+    kv_extra_key_format: Literal["tagged", "legacy"] = "tagged"
+    description: str = ""
+
+    _args_ok = field_validator("args")(_check_args)
+
+    @field_validator("kv_hash_seed")
+    @classmethod
+    def _seed_ok(cls, v: str | None) -> str | None:
+        if v is not None and v in ("", "0"):
+            raise ValueError(
+                "must not be empty or '0': '0' also disables Python's string-hash randomization "
+                "in the engines; leave it unset to use the cluster's random seed"
+            )
+        return v
+
+
+class ProfileCreate(_ProfileFields):
+    name: Name
+    model: Name
+
+
+class ProfileUpdate(_Request):
+    version: int = Field(ge=1, description="The version you read; a stale one gets 409.")
+    engine: Engine | None = None
+    gpu_class: str | None = None
+    tp: int | None = Field(default=None, ge=1)
+    pp: int | None = Field(default=None, ge=1)
+    gpus_per_node: int | None = Field(default=None, ge=0)
+    nodes: int | None = Field(default=None, ge=1)
+    model_path: Annotated[str, StringConstraints(min_length=1)] | None = None
+    served_model_name: str | None = None
+    args: list[str] | None = None
+    env: dict[EnvName, str] | None = None
+    secret_env: dict[EnvName, str] | None = None
+    adapters: list[AdapterBody] | None = None
+    kv_events: bool | None = None
+    threads: int | None = Field(default=None, ge=0)
+    kv_hash_seed: str | None = None
+    kv_block_size: int | None = Field(default=None, ge=1, le=4096)
+    kv_hash_algo: Literal["sha256_cbor"] | None = None
+    kv_extra_key_format: Literal["tagged", "legacy"] | None = None
+    description: str | None = None
+
+    _args_ok = field_validator("args")(_check_args)
+    _seed_ok = field_validator("kv_hash_seed")(_ProfileFields._seed_ok.__func__)  # type: ignore[attr-defined]
+
+
+class ProfileOut(_Response):
+    name: str
+    model: str
+    engine: str
+    gpu_class: str
+    tp: int
+    pp: int
+    gpus_per_node: int
+    nodes: int
+    model_path: str
+    served_model_name: str
+    args: list[str]
+    env: dict[str, str]
+    secret_env_keys: list[str] = Field(description="Names only: secret references are write-only.")
+    adapters: list[AdapterBody]
+    kv_events: bool
+    threads: int
+    kv_hash_seed: str
+    kv_block_size: int
+    kv_hash_algo: str
+    kv_extra_key_format: str
+    description: str
+    fingerprint: str
+    version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- deployments ------------------------------------------------------------
+
+
+def _check_budget_pair(surge: str | None, unavailable: str | None) -> None:
+    zero = ("0", "0%")
+    if surge in zero and unavailable in zero:
+        raise ValueError(
+            "max_surge and max_unavailable are both 0: a rollout could neither start a new "
+            "replica nor stop an old one; allow at least one (e.g. max_surge: 1)"
+        )
+
+
+class DeploymentCreate(_Request):
+    name: Name
+    model: Name
+    profile: Name
+    pool: Name = "default"
+    replicas: int = Field(default=1, ge=0, le=10_000)
+    max_surge: RolloutBudget = Field(default="1", description='A count ("1") or a share ("25%").')
+    max_unavailable: RolloutBudget = Field(
+        default="0", description='A count ("0") or a share ("25%").'
+    )
+    progress_deadline_s: int = Field(default=600, gt=0)
+    state: Literal["active", "suspended"] = "active"
+
+    def model_post_init(self, _ctx: object) -> None:
+        _check_budget_pair(self.max_surge, self.max_unavailable)
+
+
+class DeploymentUpdate(_Request):
+    version: int = Field(ge=1, description="The version you read; a stale one gets 409.")
+    profile: Name | None = None
+    pool: Name | None = None
+    replicas: int | None = Field(default=None, ge=0, le=10_000)
+    max_surge: RolloutBudget | None = None
+    max_unavailable: RolloutBudget | None = None
+    progress_deadline_s: int | None = Field(default=None, gt=0)
+    state: Literal["active", "suspended"] | None = None
+
+
+class DeploymentOut(_Response):
+    name: str
+    model: str
+    profile: str
+    pool: str
+    replicas: int
+    max_surge: str
+    max_unavailable: str
+    progress_deadline_s: int
+    state: str
+    version: int
+    created_at: datetime
+    updated_at: datetime

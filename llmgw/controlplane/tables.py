@@ -1,0 +1,462 @@
+"""The state store's schema: SQLAlchemy 2 typed tables for design §3.
+
+Desired state (models, profiles, deployments, api_keys) is written by operators
+through the admin API; observed state (nodes, the binding half of shards) by
+agents through the agent API. The rules that keep the fleet safe are enforced
+here, in the database, and not only in Python: two control planes, an admin
+script and a migration all go through the same constraints.
+
+This module declares tables only. Queries live in ``queries.py``; every change
+to what is declared here needs an Alembic migration (a test compares the two).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+__all__ = [
+    "ApiKey",
+    "AuditLog",
+    "Base",
+    "ClusterInfo",
+    "ControlPlaneInstance",
+    "Deployment",
+    "GpuAssignment",
+    "Leader",
+    "Model",
+    "Node",
+    "Profile",
+    "Replica",
+    "Shard",
+    "UsageBucket",
+    "UsageFlush",
+]
+
+# Deterministic constraint names, so migrations can drop and alter them by name.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SHARD_DESIRED_STATES = ("running", "suspended", "stopped")
+SHARD_OBSERVED_STATES = (
+    "pending",
+    "starting",
+    "ready",
+    "unhealthy",
+    "draining",
+    "exited",
+    "failed",
+)
+DEPLOYMENT_STATES = ("active", "suspended")
+NODE_APPROVAL_STATES = ("pending", "approved")
+# A name is what clients type in "model": keep it to characters that survive
+# URLs, shells and Prometheus labels unescaped.
+NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+ROLLOUT_BUDGET_PATTERN = "^[0-9]{1,6}%?$"
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {  # noqa: RUF012 - SQLAlchemy reads this class attribute
+        dict[str, Any]: JSONB,
+        list[Any]: JSONB,
+        uuid.UUID: UUID(as_uuid=True),
+        datetime: DateTime(timezone=True),
+    }
+
+
+def _uuid_pk() -> Mapped[uuid.UUID]:
+    return mapped_column(primary_key=True, server_default=text("gen_random_uuid()"))
+
+
+def _created() -> Mapped[datetime]:
+    return mapped_column(server_default=func.now())
+
+
+class _Versioned:
+    """Optimistic concurrency: every admin write bumps ``version``; a write that
+    names a stale version matches no row and becomes a 409 instead of silently
+    overwriting what the other admin just did."""
+
+    version: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class ClusterInfo(Base):
+    """The one row naming this cluster. Agents remember the id they registered
+    with and stop acting on instructions from a database with another one (a
+    restored backup, a foreign cluster), so a wrong URL cannot stop their engines."""
+
+    __tablename__ = "cluster_info"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cluster_id: Mapped[uuid.UUID] = mapped_column(server_default=text("gen_random_uuid()"))
+    # Default PYTHONHASHSEED of new profiles: random per cluster and never "0",
+    # which would also turn off Python's string-hash randomization in engines.
+    kv_hash_seed: Mapped[str] = mapped_column(
+        Text, server_default=text("replace(gen_random_uuid()::text, '-', '')")
+    )
+    created_at: Mapped[datetime] = _created()
+
+
+class Model(_Versioned, Base):
+    __tablename__ = "models"
+    __table_args__ = (CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),)
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    description: Mapped[str] = mapped_column(Text, server_default="")
+
+    profiles: Mapped[list[Profile]] = relationship(back_populates="model", passive_deletes=True)
+
+
+class Profile(_Versioned, Base):
+    """How a model runs on a GPU class. ``fingerprint`` is computed by
+    ``llmgw.engines.profile_fingerprint`` over every launch-relevant field;
+    shards remember the one they were started from, and a difference is what
+    rolls replicas."""
+
+    __tablename__ = "profiles"
+    __table_args__ = (
+        CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),
+        CheckConstraint("tp >= 1", name="tp_positive"),
+        CheckConstraint("pp >= 1", name="pp_positive"),
+        CheckConstraint("nodes >= 1", name="nodes_positive"),
+        CheckConstraint("gpus_per_node >= 0", name="gpus_per_node_nonnegative"),
+        CheckConstraint("threads >= 0", name="threads_nonnegative"),
+        CheckConstraint("kv_block_size >= 1", name="kv_block_size_positive"),
+        CheckConstraint("kv_hash_seed <> '' AND kv_hash_seed <> '0'", name="kv_hash_seed_set"),
+        CheckConstraint("kv_hash_algo = 'sha256_cbor'", name="kv_hash_algo_known"),
+        CheckConstraint(
+            _in("kv_extra_key_format", ("tagged", "legacy")), name="kv_extra_key_format_known"
+        ),
+        CheckConstraint("engine <> ''", name="engine_set"),
+        CheckConstraint("model_path <> ''", name="model_path_set"),
+    )
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    # A profile cannot outlive its model: the model's delete is refused while profiles exist.
+    model_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("models.id", ondelete="RESTRICT"), index=True
+    )
+    description: Mapped[str] = mapped_column(Text, server_default="")
+    engine: Mapped[str] = mapped_column(Text)
+    gpu_class: Mapped[str] = mapped_column(Text, server_default="")
+    tp: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    pp: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    gpus_per_node: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    nodes: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    model_path: Mapped[str] = mapped_column(Text)
+    served_model_name: Mapped[str] = mapped_column(Text, server_default="")
+    args: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))
+    env: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    # name -> reference to a secret; write-only through the API, never in the fingerprint.
+    secret_env: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    adapters: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))
+    kv_events: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    threads: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    kv_hash_seed: Mapped[str] = mapped_column(Text)
+    kv_block_size: Mapped[int] = mapped_column(Integer, server_default=text("16"))
+    kv_hash_algo: Mapped[str] = mapped_column(Text, server_default="sha256_cbor")
+    kv_extra_key_format: Mapped[str] = mapped_column(Text, server_default="tagged")
+    fingerprint: Mapped[str] = mapped_column(Text)
+
+    model: Mapped[Model] = relationship(back_populates="profiles")
+
+
+class Deployment(_Versioned, Base):
+    __tablename__ = "deployments"
+    __table_args__ = (
+        CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),
+        CheckConstraint("replicas >= 0", name="replicas_nonnegative"),
+        CheckConstraint(
+            f"max_surge ~ '{ROLLOUT_BUDGET_PATTERN}' AND max_unavailable ~ '{ROLLOUT_BUDGET_PATTERN}'",
+            name="rollout_budget_format",
+        ),
+        # 0/0 can never make progress: no new replica may start and no old one may stop.
+        CheckConstraint(
+            "NOT (max_surge IN ('0', '0%') AND max_unavailable IN ('0', '0%'))",
+            name="rollout_can_progress",
+        ),
+        CheckConstraint("progress_deadline_s > 0", name="progress_deadline_positive"),
+        CheckConstraint(_in("state", DEPLOYMENT_STATES), name="state_known"),
+    )
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    model_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("models.id", ondelete="RESTRICT"), index=True
+    )
+    # A profile in use by a deployment cannot be deleted (RESTRICT): its replicas would lose their spec.
+    profile_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("profiles.id", ondelete="RESTRICT"), index=True
+    )
+    pool: Mapped[str] = mapped_column(Text, server_default="default")
+    replicas: Mapped[int] = mapped_column(Integer, server_default=text("1"))
+    # A count ("1") or a share of the desired replicas ("25%"), resolved by the reconciler as
+    # Kubernetes does: surge rounds up, unavailable rounds down, and if both come to zero
+    # unavailable becomes 1. Kept as written so a later change of `replicas` rescales it.
+    max_surge: Mapped[str] = mapped_column(Text, server_default="1")
+    max_unavailable: Mapped[str] = mapped_column(Text, server_default="0")
+    progress_deadline_s: Mapped[int] = mapped_column(Integer, server_default=text("600"))
+    state: Mapped[str] = mapped_column(Text, server_default="active")
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    __table_args__ = (
+        CheckConstraint(_in("approval_state", NODE_APPROVAL_STATES), name="approval_state_known"),
+        CheckConstraint("agent_epoch >= 0", name="agent_epoch_nonnegative"),
+    )
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    # SHA-256 of the node credential; the credential itself is shown to the agent once.
+    credential_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
+    approval_state: Mapped[str] = mapped_column(Text, server_default="pending")
+    mgmt_addr: Mapped[str] = mapped_column(Text, server_default="")
+    labels: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    pool: Mapped[str] = mapped_column(Text, server_default="default")
+    # GPUs (index, UUID, name, memory, compute capability, MIG parent), fabrics and their
+    # HCAs with RoCE GID index, CPU threads, engine versions: as the agent reported them.
+    inventory: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    # A new epoch on every agent start; with the sequence number it orders reports.
+    agent_epoch: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    agent_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    last_sync_at: Mapped[datetime | None] = mapped_column()
+    cordoned: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    draining: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    created_at: Mapped[datetime] = _created()
+
+
+class Replica(Base):
+    __tablename__ = "replicas"
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    # SET NULL, not CASCADE: deleting a deployment must not delete rows describing engines
+    # that are still running. A trigger marks their shards stopped; the reconciler removes
+    # the rows once agents report the engines gone.
+    deployment_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("deployments.id", ondelete="SET NULL"), index=True
+    )
+    profile_fingerprint: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = _created()
+
+    shards: Mapped[list[Shard]] = relationship(back_populates="replica", passive_deletes=True)
+
+
+class Shard(Base):
+    """One replica's part on one node. Two halves, two writers: the desired half
+    is the control plane's, the binding half (observed_*, ports, pid) the agent's."""
+
+    __tablename__ = "shards"
+    __table_args__ = (
+        UniqueConstraint("replica_id", "rank"),
+        CheckConstraint("rank >= 0", name="rank_nonnegative"),
+        CheckConstraint(_in("desired_state", SHARD_DESIRED_STATES), name="desired_state_known"),
+        CheckConstraint(_in("observed_state", SHARD_OBSERVED_STATES), name="observed_state_known"),
+        CheckConstraint("restarts >= 0", name="restarts_nonnegative"),
+        CheckConstraint(
+            "leader_port IS NULL OR (leader_port BETWEEN 1 AND 65535)", name="leader_port_range"
+        ),
+        # Two live shards on one node never share a leader port; a released shard frees it.
+        Index(
+            "uq_shards_node_leader_port_live",
+            "node_id",
+            "leader_port",
+            unique=True,
+            postgresql_where=text("leader_port IS NOT NULL AND NOT released"),
+        ),
+        # The agent's sync reads its node's live shards.
+        Index("ix_shards_node_live", "node_id", postgresql_where=text("NOT released")),
+    )
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    # Shards live and die with their replica row, which outlives its engines (see Replica).
+    replica_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("replicas.id", ondelete="CASCADE"), index=True
+    )
+    # RESTRICT: a node that still holds shards cannot be deleted and lose track of engines.
+    node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id", ondelete="RESTRICT"))
+    rank: Mapped[int] = mapped_column(Integer)
+    # --- desired (control plane) ---
+    gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer), server_default="{}")
+    gpu_uuids: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default="{}")
+    hcas: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default="{}")
+    fabric: Mapped[str] = mapped_column(Text, server_default="")
+    leader_port: Mapped[int | None] = mapped_column(Integer)
+    # The complete llmgw.engines ShardSpec as JSON, minus the API key.
+    launch_spec: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    profile_fingerprint: Mapped[str] = mapped_column(Text)
+    desired_state: Mapped[str] = mapped_column(Text, server_default="running")
+    # The key the engine demands; never returned by the admin API, never logged.
+    engine_api_key: Mapped[str] = mapped_column(Text, server_default="")
+    # Set once the agent reports the engine gone after a stop: frees GPUs and ports.
+    released: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # --- binding (agent) ---
+    http_port: Mapped[int | None] = mapped_column(Integer)
+    kv_events_port: Mapped[int | None] = mapped_column(Integer)
+    kv_replay_port: Mapped[int | None] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    boot_id: Mapped[str | None] = mapped_column(Text)
+    process_start_time: Mapped[int | None] = mapped_column(BigInteger)
+    engine_version: Mapped[str | None] = mapped_column(Text)
+    observed_state: Mapped[str] = mapped_column(Text, server_default="pending")
+    observed_reason: Mapped[str] = mapped_column(Text, server_default="")
+    restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    observed_at: Mapped[datetime | None] = mapped_column()
+    started_at: Mapped[datetime | None] = mapped_column()
+    exited_at: Mapped[datetime | None] = mapped_column()
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _created()
+
+    replica: Mapped[Replica] = relationship(back_populates="shards")
+
+
+class GpuAssignment(Base):
+    """Which live shard holds a GPU. The primary key is the invariant: one GPU
+    (by index, or a MIG instance by UUID) belongs to at most one live shard, so a
+    placement bug or two racing leaders fail the insert instead of double-booking."""
+
+    __tablename__ = "gpu_assignments"
+
+    node_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("nodes.id", ondelete="RESTRICT"), primary_key=True
+    )
+    # "3" for GPU index 3, "MIG-<uuid>" for a MIG instance.
+    gpu_key: Mapped[str] = mapped_column(Text, primary_key=True)
+    shard_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("shards.id", ondelete="CASCADE"), index=True
+    )
+
+
+class ApiKey(_Versioned, Base):
+    """Keys look like ``llmgw_<id>_<secret>``; only SHA-256 of the secret is kept
+    (a fast hash is right: keys are high-entropy and checked on every request)."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (
+        CheckConstraint("length(secret_sha256) = 32", name="secret_sha256_length"),
+        CheckConstraint("rate_limit_rpm IS NULL OR rate_limit_rpm > 0", name="rate_limit_positive"),
+        CheckConstraint("token_quota IS NULL OR token_quota >= 0", name="token_quota_nonnegative"),
+        CheckConstraint(
+            "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    secret_sha256: Mapped[bytes] = mapped_column(LargeBinary, unique=True)
+    # None: every model; otherwise the model (and adapter) names this key may use.
+    allowed_models: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    rate_limit_rpm: Mapped[int | None] = mapped_column(Integer)
+    token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    concurrency_limit: Mapped[int | None] = mapped_column(Integer)
+    # Tenant isolation: requests with this key never share KV cache with other tenants.
+    cache_salt: Mapped[str | None] = mapped_column(Text)
+    disabled: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    expires_at: Mapped[datetime | None] = mapped_column()
+    last_used_at: Mapped[datetime | None] = mapped_column()
+
+
+class UsageBucket(Base):
+    __tablename__ = "usage_buckets"
+    __table_args__ = (
+        UniqueConstraint("api_key_id", "model", "bucket_start"),
+        CheckConstraint(
+            "requests >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0 AND cached_tokens >= 0",
+            name="counts_nonnegative",
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    # Accounting outlives a revoked key: revoke by disabling; deleting is refused while usage exists.
+    api_key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.id", ondelete="RESTRICT"))
+    model: Mapped[str] = mapped_column(Text)
+    bucket_start: Mapped[datetime] = mapped_column()
+    requests: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+
+
+class UsageFlush(Base):
+    """One row per applied gateway flush, so a flush retried after a lost reply
+    is recognised and not counted twice."""
+
+    __tablename__ = "usage_flushes"
+
+    process_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    flush_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    applied_at: Mapped[datetime] = _created()
+
+
+class AuditLog(Base):
+    __tablename__ = "audit_log"
+    __table_args__ = (Index("ix_audit_log_object", "object_kind", "object_name"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = _created()
+    actor: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(Text)
+    object_kind: Mapped[str] = mapped_column(Text)
+    object_name: Mapped[str] = mapped_column(Text)
+    # Secrets are redacted before they get here.
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    request_id: Mapped[str] = mapped_column(Text, server_default="")
+
+
+class ControlPlaneInstance(Base):
+    __tablename__ = "controlplane_instances"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    internal_url: Mapped[str] = mapped_column(Text)
+    started_at: Mapped[datetime] = _created()
+    last_seen_at: Mapped[datetime] = _created()
+
+
+class Leader(Base):
+    """The reconcile loop's fencing token. The advisory lock decides who leads;
+    ``epoch`` rises on every takeover, and a plan is applied only in a transaction
+    that still sees its own epoch, so a leader that lost its lock cannot write."""
+
+    __tablename__ = "leader"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    holder: Mapped[str] = mapped_column(Text, server_default="")
+    epoch: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    acquired_at: Mapped[datetime | None] = mapped_column()

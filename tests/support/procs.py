@@ -1,0 +1,97 @@
+"""Real processes and ports for tests: free ports, waiting on conditions with deadlines."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+__all__ = ["free_port", "llmgw_cmd", "stop_process", "wait_for", "wait_http_ok"]
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llmgw_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llmgw", *args]
+
+
+def wait_for(
+    condition: Callable[[], T | None], *, timeout_s: float, what: str, interval_s: float = 0.05
+) -> T:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # the condition may fail until it holds
+            last_exc = exc
+        time.sleep(interval_s)
+    raise AssertionError(
+        f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})"
+    )
+
+
+def wait_http_ok(
+    url: str,
+    *,
+    timeout_s: float,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> None:
+    def ready() -> bool:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+            raise AssertionError(
+                f"process exited with {proc.returncode} before {url} was ready:\n{tail}"
+            )
+        try:
+            return httpx.get(url, timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.05)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"{url} not ready after {timeout_s}s:\n{tail}")
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], *, sig: int = signal.SIGTERM, timeout_s: float = 15
+) -> int:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig) if _own_group(proc) else proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
+
+
+def _own_group(proc: subprocess.Popen[bytes]) -> bool:
+    try:
+        return os.getpgid(proc.pid) == proc.pid
+    except ProcessLookupError:
+        return False
