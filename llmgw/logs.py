@@ -68,8 +68,10 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         lg = logging.getLogger(name)
         lg.handlers[:] = []
         lg.propagate = True
-    # The access log repeats what our request middleware logs with a request id.
-    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    # The access log repeats what our request middleware logs with a request id; httpx logs
+    # every control request and alembic every plugin it loads, which buries what matters.
+    for noisy in ("uvicorn.access", "httpx", "httpcore", "alembic"):
+        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
 
 
 def _identity(_logger: Any, _name: str, event_dict: Any) -> Any:

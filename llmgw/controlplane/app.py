@@ -72,7 +72,7 @@ def _error(status: int, code: str, message: str, field: str | None = None) -> JS
 def _status_of(exc: LlmgwError) -> int:
     for cls in type(exc).__mro__:
         if cls in _STATUS:
-            return _STATUS[cls]  # type: ignore[index]
+            return _STATUS[cls]
     return 500
 
 
@@ -84,7 +84,7 @@ async def _on_llmgw_error(_request: Request, exc: Exception) -> JSONResponse:
 async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     field = ".".join(loc) or None
     if first.get("type") == "json_invalid":

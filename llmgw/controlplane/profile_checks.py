@@ -14,14 +14,22 @@ from typing import Any
 
 from llmgw.engines import (
     Adapter,
+    EngineRegistry,
+    EnginesConfig,
     KVHashParams,
     Profile,
-    default_registry,
+    TRTLLMConfig,
     profile_fingerprint,
 )
 from llmgw.errors import LlmgwError, SpecError
 
 __all__ = ["check_profile", "engine_profile"]
+
+# The control plane validates what *some* node could run. Whether a given node
+# offers an engine (TensorRT-LLM only where its trtllm-serve is configured, none
+# that the node disables) is the agent's and placement's business, so this
+# registry offers every engine.
+_REGISTRY = EngineRegistry(EnginesConfig(trtllm=TRTLLMConfig(serve_path="trtllm-serve")))
 
 
 def engine_profile(name: str, fields: Mapping[str, Any]) -> Profile:
@@ -60,10 +68,12 @@ def check_profile(name: str, fields: Mapping[str, Any]) -> str:
     """
     try:
         profile = engine_profile(name, fields)
-        engine = default_registry().get(profile.engine)
-        engine.validate(profile, [])
-    except SpecError:
-        raise
+        _REGISTRY.get(profile.engine).validate(profile, [])
     except LlmgwError as exc:
-        raise SpecError(exc.message, field=exc.field) from None
-    return profile_fingerprint(profile)
+        # The engines package names fields from the shard spec's view ("profile.tp");
+        # the admin API's body is the profile itself.
+        field = exc.field.removeprefix("profile.") if exc.field else None
+        raise SpecError(exc.message, field=field) from None
+    except ValueError as exc:  # pydantic: a value the engine's Profile type refuses
+        raise SpecError(f"profile {name!r}: {exc}") from None
+    return str(profile_fingerprint(profile))

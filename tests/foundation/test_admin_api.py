@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from support.procs import wait_for
 
 from llmgw.embedded_postgres import libpq_url as libpq
 
@@ -63,7 +65,20 @@ def test_health_readiness_and_openapi(controlplane: Any) -> None:
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     doc = httpx.get(f"{controlplane.url}/openapi.json").json()
     assert "/admin/v1/deployments/{name}" in doc["paths"]
-    assert ready.headers["x-request-id"]
+    rid = ready.headers["x-request-id"]
+
+    def logged() -> bool:
+        lines = [
+            json.loads(x) for x in controlplane.log.read_text().splitlines() if x.startswith("{")
+        ]
+        return any(
+            e.get("event") == "http_request"
+            and e.get("request_id") == rid
+            and e.get("status") == 200
+            for e in lines
+        )
+
+    wait_for(logged, timeout_s=10, what="the request's JSON log line with its request id")
 
 
 @pytest.mark.parametrize(

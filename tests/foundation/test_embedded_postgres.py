@@ -1,0 +1,199 @@
+"""The embedded Postgres server and the database fixtures, against real postgres processes.
+
+Runs as root here, so every server below runs as the `postgres` user out of dirs it can enter.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from structlog.testing import capture_logs
+
+from llmgw.embedded_postgres import (
+    DataDirInUseError,
+    EmbeddedPostgres,
+    find_bin_dir,
+    libpq_url,
+)
+from llmgw.errors import ConfigError
+
+# The acceptance target is 3 s; initdb dominates (about 1 s alone on an idle 2-core box).
+READY_BOUND_S = 3.0
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists():
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}").exists() else ""
+        if "State:\tZ" in status:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} still alive after {timeout_s}s"
+        time.sleep(0.01)
+
+
+def _throwaway_dirs() -> set[Path]:
+    return {
+        p for root in ("/dev/shm", tempfile.gettempdir()) for p in Path(root).glob("llmgw-pg-*")
+    }
+
+
+def _query(url: str, query: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        cur = conn.execute(query)
+        return cur.fetchall() if cur.description is not None else []
+
+
+def test_throwaway_ready_fast_then_stops_and_cleans_up() -> None:
+    began = time.monotonic()
+    pg = EmbeddedPostgres(throwaway=True)
+    with capture_logs() as logs:
+        url = pg.start()
+    ready_s = time.monotonic() - began
+    print(f"throwaway postgres ready in {ready_s:.3f}s (initdb included)")
+    try:
+        pid, data_dir = pg.pid, pg.data_dir
+        assert pid is not None
+        assert _query(url, "SELECT current_user, current_database()") == [("llmgw", "llmgw")]
+        assert _query(url, "SHOW fsync") == [("off",)]
+        assert _query(url, "SHOW listen_addresses") == [("127.0.0.1",)]
+        if os.geteuid() == 0:
+            assert pg.pgdata.stat().st_uid != 0, "the server's files must belong to `postgres`"
+        started = [e for e in logs if e["event"] == "postgres_started"]
+        assert len(started) == 1 and started[0]["port"] == pg.port
+        password = pg.password_path.read_text().strip()
+        assert not any(password in repr(e) for e in logs), "the password must never be logged"
+    finally:
+        pg.stop()
+    _wait_gone(pid)
+    assert not data_dir.exists()
+    assert ready_s < READY_BOUND_S
+
+
+def test_tcp_login_needs_the_generated_password(pg_tmp_path: Path) -> None:
+    with EmbeddedPostgres(pg_tmp_path / "data", throwaway=True) as pg:
+        assert stat.S_IMODE(pg.password_path.stat().st_mode) == 0o600
+        password = pg.password_path.read_text().strip()
+        assert len(password) >= 24 and password in pg.url
+        for wrong in (f"llmgw:nope@127.0.0.1:{pg.port}", f"llmgw@127.0.0.1:{pg.port}"):
+            with pytest.raises(psycopg.OperationalError, match="password"):
+                psycopg.connect(f"postgresql://{wrong}/llmgw", connect_timeout=5).close()
+
+
+def test_restart_reuses_data_without_initdb(pg_tmp_path: Path) -> None:
+    data_dir = pg_tmp_path / "llmgw"
+    with EmbeddedPostgres(data_dir) as pg:
+        _query(pg.url, "CREATE TABLE kept (v text); INSERT INTO kept VALUES ('survives')")
+        assert _query(pg.url, "SHOW fsync") == [("on",)], "persistent mode must stay durable"
+        first_port = pg.port
+    with capture_logs() as logs, EmbeddedPostgres(data_dir, port=None) as pg:
+        assert _query(pg.url, "SELECT v FROM kept") == [("survives",)]
+        print(f"ports: first {first_port}, second {pg.port}")
+    events = [e["event"] for e in logs]
+    assert "postgres_initdb" not in events and "postgres_started" in events
+
+
+def test_second_server_on_a_data_dir_in_use_is_refused_with_the_pid(pg_tmp_path: Path) -> None:
+    data_dir = pg_tmp_path / "llmgw"
+    with EmbeddedPostgres(data_dir) as first:
+        second = EmbeddedPostgres(data_dir)
+        with pytest.raises(DataDirInUseError) as caught:
+            second.start()
+        assert caught.value.pid == first.pid
+        assert f"pid {first.pid}" in str(caught.value)
+        assert second.pid is None
+        # The running server is untouched and its lock file still in place.
+        assert _query(first.url, "SELECT 1") == [(1,)]
+        assert (first.pgdata / "postmaster.pid").read_text().split()[0] == str(first.pid)
+
+
+def test_stale_pidfile_from_a_crash_is_tolerated_and_a_reused_pid_refused(
+    pg_tmp_path: Path,
+) -> None:
+    data_dir = pg_tmp_path / "llmgw"
+    with EmbeddedPostgres(data_dir) as pg:
+        pidfile = pg.pgdata / "postmaster.pid"
+        lines = pidfile.read_text().splitlines()
+        owner = pidfile.stat()
+    # A pid that is certainly dead: a child we started and reaped.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pidfile.write_text("\n".join([str(dead.pid), *lines[1:]]) + "\n")
+    os.chown(pidfile, owner.st_uid, owner.st_gid)
+    with EmbeddedPostgres(data_dir) as pg:
+        assert _query(pg.url, "SELECT 1") == [(1,)]
+    # A live pid that is not postgres (this test's own): the pid was reused after a crash.
+    # Refused, naming the pid, and nothing is deleted.
+    pidfile.write_text("\n".join([str(os.getpid()), *lines[1:]]) + "\n")
+    with pytest.raises(DataDirInUseError, match=f"pid {os.getpid()}, which is alive but is"):
+        EmbeddedPostgres(data_dir).start()
+    assert pidfile.exists()
+
+
+def test_taken_port_is_a_config_error(pg_tmp_path: Path) -> None:
+    with EmbeddedPostgres(throwaway=True) as pg:
+        other = EmbeddedPostgres(pg_tmp_path / "other", port=pg.port, throwaway=True)
+        with pytest.raises(ConfigError, match=f"port {pg.port}") as caught:
+            other.start()
+        assert caught.value.field == "port"
+
+
+def test_no_binaries_error_says_how_to_install(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        find_bin_dir(path="", system_globs=(), use_pgserver=False)
+    message = str(caught.value)
+    assert "apt-get install postgresql" in message and "pip install pgserver" in message
+    # An explicit bin dir without the binaries fails the same way, naming it; no temp dir leaks.
+    before = _throwaway_dirs()
+    with pytest.raises(ConfigError, match=str(tmp_path)) as caught:
+        EmbeddedPostgres(throwaway=True, bin_dir=tmp_path).start()
+    assert "apt-get install postgresql" in str(caught.value)
+    assert _throwaway_dirs() <= before
+
+
+def test_data_dir_of_another_major_version_is_refused(pg_tmp_path: Path) -> None:
+    pgdata = pg_tmp_path / "llmgw" / "postgres"
+    pgdata.mkdir(parents=True)
+    (pgdata / "PG_VERSION").write_text("9\n")
+    with pytest.raises(ConfigError, match="created by PostgreSQL 9 but") as caught:
+        EmbeddedPostgres(pgdata.parent).start()
+    assert "apt-get install postgresql-9" in str(caught.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the server to `postgres`")
+def test_root_refuses_a_data_dir_postgres_cannot_reach(pg_tmp_path: Path) -> None:
+    locked = pg_tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match=f"cannot enter {locked}") as caught:
+        EmbeddedPostgres(locked / "llmgw").start()
+    assert "chmod o+x" in str(caught.value)
+
+
+def test_empty_db_url_is_a_fresh_empty_database(empty_db_url: str, pg_server: object) -> None:
+    tables = _query(
+        empty_db_url,
+        "SELECT count(*) FROM pg_tables WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
+    )
+    assert tables == [(0,)]
+    _query(empty_db_url, "CREATE TABLE scratch (x int)")
+
+
+def test_empty_db_url_does_not_see_the_previous_tests_tables(empty_db_url: str) -> None:
+    assert _query(empty_db_url, "SELECT to_regclass('scratch') IS NULL") == [(True,)]
+
+
+def test_db_url_is_migrated_to_head_and_isolated(db_url: str) -> None:
+    from llmgw.controlplane.migrations import current_revision, head_revision
+
+    assert current_revision(db_url) == head_revision()
+    _query(db_url, "CREATE TABLE scratch (x int)")
+
+
+def test_db_url_gets_a_new_clone_each_test(db_url: str) -> None:
+    assert _query(db_url, "SELECT to_regclass('scratch') IS NULL") == [(True,)]
