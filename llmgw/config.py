@@ -208,6 +208,15 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
 
 
 def default_data_dir() -> Path:
-    """$XDG_DATA_HOME/llmgw, falling back to ~/.local/share/llmgw as the XDG spec says."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "llmgw"
+    """Where `llmgw up` keeps its data when not told.
+
+    $XDG_DATA_HOME/llmgw (~/.local/share/llmgw when unset or relative, as the XDG spec
+    says); as root, /var/lib/llmgw instead: root's home is 0700, and the private
+    Postgres runs as the `postgres` user, which could not enter a data dir under it.
+    """
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "llmgw"
+    if os.geteuid() == 0:
+        return Path("/var/lib/llmgw")
+    return Path.home() / ".local" / "share" / "llmgw"

@@ -6,10 +6,12 @@ Runs as root here, so every server below runs as the `postgres` user out of dirs
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -19,8 +21,10 @@ from structlog.testing import capture_logs
 from llmgw.embedded_postgres import (
     DataDirInUseError,
     EmbeddedPostgres,
+    PostgresStartError,
     find_bin_dir,
     libpq_url,
+    throwaway_parent,
 )
 from llmgw.errors import ConfigError
 
@@ -113,6 +117,29 @@ def test_second_server_on_a_data_dir_in_use_is_refused_with_the_pid(pg_tmp_path:
         assert (first.pgdata / "postmaster.pid").read_text().split()[0] == str(first.pid)
 
 
+def test_two_racing_first_starts_on_one_dir_yield_one_server(pg_tmp_path: Path) -> None:
+    data_dir = pg_tmp_path / "llmgw"
+    servers = [EmbeddedPostgres(data_dir), EmbeddedPostgres(data_dir)]
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(_start_or_error, servers))
+    try:
+        urls = [o for o in outcomes if isinstance(o, str)]
+        refused = [o for o in outcomes if isinstance(o, DataDirInUseError)]
+        assert len(urls) == 1 and len(refused) == 1, outcomes
+        # The winner's password file was not overwritten by the loser's initdb.
+        assert _query(urls[0], "SELECT 1") == [(1,)]
+    finally:
+        for pg in servers:
+            pg.stop()
+
+
+def _start_or_error(pg: EmbeddedPostgres) -> str | Exception:
+    try:
+        return pg.start()
+    except Exception as exc:
+        return exc
+
+
 def test_stale_pidfile_from_a_crash_is_tolerated_and_a_reused_pid_refused(
     pg_tmp_path: Path,
 ) -> None:
@@ -136,12 +163,43 @@ def test_stale_pidfile_from_a_crash_is_tolerated_and_a_reused_pid_refused(
     assert pidfile.exists()
 
 
+def test_a_server_that_fails_to_start_is_reported_with_its_log(pg_tmp_path: Path) -> None:
+    data_dir = pg_tmp_path / "llmgw"
+    with EmbeddedPostgres(data_dir) as pg:
+        conf = pg.pgdata / "postgresql.conf"
+    with conf.open("a") as f:
+        f.write("shared_buffers = 'lots'\n")
+    broken = EmbeddedPostgres(data_dir)
+    with pytest.raises(PostgresStartError, match="exited with status") as caught:
+        broken.start()
+    assert "shared_buffers" in str(caught.value) and str(broken.log_path) in str(caught.value)
+    assert broken.pid is None
+
+
 def test_taken_port_is_a_config_error(pg_tmp_path: Path) -> None:
     with EmbeddedPostgres(throwaway=True) as pg:
         other = EmbeddedPostgres(pg_tmp_path / "other", port=pg.port, throwaway=True)
         with pytest.raises(ConfigError, match=f"port {pg.port}") as caught:
             other.start()
         assert caught.value.field == "port"
+
+
+def test_dirs_left_by_a_killed_run_are_swept_and_live_ones_kept() -> None:
+    parent = Path(throwaway_parent() or tempfile.gettempdir())
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = Path(tempfile.mkdtemp(prefix="llmgw-pg-", dir=parent))
+    (stale / "owner.pid").write_text(f"{dead.pid}\n")
+    live = Path(tempfile.mkdtemp(prefix="llmgw-pg-", dir=parent))
+    (live / "owner.pid").write_text(f"{os.getpid()}\n")
+    try:
+        with EmbeddedPostgres(throwaway=True) as pg:
+            assert pg.data_dir.parent == parent
+        assert not stale.exists()
+        assert live.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 def test_no_binaries_error_says_how_to_install(tmp_path: Path) -> None:

@@ -1,0 +1,91 @@
+"""Fixtures every test directory shares: real Postgres databases and the hypothesis profile.
+
+Database fixtures (see tests/pg_harness.py for how they are made):
+
+    pg_server      session   the PgServer: admin URL, create/drop databases on it
+    db_url         function  a fresh database at the migrations' head, dropped afterwards
+    empty_db_url   function  a fresh database with no schema, for migration tests
+    pg_tmp_path    function  a temp dir the `postgres` user can enter (tmp_path is 0700)
+
+No test reaches the database unless it asks for one of these, so a test run without Postgres
+binaries fails only the tests that need it, each with the install hint.
+
+Hypothesis: profile "ci" (CI=true) is derandomised, keeps no example database and suppresses the
+too-slow health check, since on 2 shared cores timing says nothing; "dev" only drops deadlines.
+HYPOTHESIS_PROFILE overrides the choice. This module must not start servers at import.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from pg_harness import PgServer, migrated_template, pg_server_session
+
+from llmgw.embedded_postgres import throwaway_parent
+
+settings.register_profile("dev", deadline=None)
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE")
+    or ("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
+)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    with pg_server_session() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def _pg_template(pg_server: PgServer) -> Iterator[str]:
+    with migrated_template(pg_server) as name:
+        yield name
+
+
+@pytest.fixture
+def db_url(pg_server: PgServer, _pg_template: str) -> Iterator[str]:
+    name = pg_server.new_name("db")
+    url = pg_server.create_database(name, template=_pg_template)
+    try:
+        yield url
+    finally:
+        pg_server.drop_database(name)
+
+
+@pytest.fixture
+def empty_db_url(pg_server: PgServer) -> Iterator[str]:
+    name = pg_server.new_name("empty")
+    # template0 is pristine: template1 may carry whatever the server's admin put there.
+    url = pg_server.create_database(name, template="template0")
+    try:
+        yield url
+    finally:
+        pg_server.drop_database(name)
+
+
+@pytest.fixture
+def pg_tmp_path() -> Iterator[Path]:
+    # pytest's tmp_path sits under a 0700 dir owned by root, which the `postgres` user a root
+    # run starts the server as cannot enter: initdb would fail with "permission denied".
+    # In RAM where there is room: initdb is three times faster there.
+    path = Path(tempfile.mkdtemp(prefix="llmgw-test-", dir=throwaway_parent()))
+    path.chmod(stat.S_IRWXU | stat.S_IXGRP | stat.S_IXOTH)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

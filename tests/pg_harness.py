@@ -1,0 +1,115 @@
+"""The throwaway-Postgres test harness behind the fixtures in tests/conftest.py.
+
+One server per test session: a private cluster from llmgw.embedded_postgres (fsync off, temp dir,
+run as `postgres` under root), or the server named by ``LLMGW_TEST_DATABASE_URL``, on which the
+session may create and drop databases. A template database is migrated once; each test gets a
+clone of it (CREATE DATABASE ... TEMPLATE copies files, far faster than running migrations).
+
+What it must NOT do: fall back to SQLite or a mock when no server can start (the error says how
+to install one), touch databases it did not create (all of its names carry this session's
+prefix), or leave the template open to connections (a clone fails while any session is in it).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import sql
+
+from llmgw.embedded_postgres import (
+    EmbeddedPostgres,
+    create_database,
+    drop_database,
+    libpq_url,
+    url_with_database,
+)
+
+__all__ = ["ENV_URL", "PgServer", "migrated_template", "pg_server_session"]
+
+# An admin URL (SQLAlchemy or libpq form) of a server where the tests may CREATE DATABASE.
+ENV_URL = "LLMGW_TEST_DATABASE_URL"
+
+
+@dataclass(frozen=True, slots=True)
+class PgServer:
+    """The session's server: where to connect as an admin, and how to make databases there."""
+
+    # SQLAlchemy URL of a database the admin can connect to (never a test database).
+    admin_url: str
+    # True for the private cluster this session started; False for LLMGW_TEST_DATABASE_URL.
+    embedded: bool
+    # Every database this session creates starts with it, so concurrent sessions on one
+    # external server never drop each other's databases.
+    prefix: str
+
+    def new_name(self, kind: str) -> str:
+        return f"{self.prefix}_{kind}_{secrets.token_hex(4)}"
+
+    def url_for(self, name: str) -> str:
+        return url_with_database(self.admin_url, name)
+
+    def create_database(self, name: str, *, template: str | None = None) -> str:
+        return create_database(self.admin_url, name, template=template)
+
+    def drop_database(self, name: str) -> None:
+        drop_database(self.admin_url, name)
+
+
+@contextmanager
+def pg_server_session() -> Iterator[PgServer]:
+    prefix = f"llmgw_test_{os.getpid()}_{secrets.token_hex(2)}"
+    external = os.environ.get(ENV_URL)
+    if external:
+        yield PgServer(admin_url=_sqlalchemy_url(external), embedded=False, prefix=prefix)
+        return
+    with EmbeddedPostgres(throwaway=True) as pg:
+        yield PgServer(admin_url=pg.admin_url, embedded=True, prefix=prefix)
+
+
+@contextmanager
+def migrated_template(server: PgServer) -> Iterator[str]:
+    """Create and migrate the template database; yield its name; drop it at the end."""
+    # Imported here: a harness that only needs empty databases must not depend on the
+    # control plane importing cleanly.
+    from llmgw.controlplane.migrations import upgrade
+
+    name = server.new_name("template")
+    url = server.create_database(name)
+    try:
+        upgrade(url)
+        _freeze(server.admin_url, name)
+        yield name
+    finally:
+        # PostgreSQL refuses to drop a database marked as a template.
+        with psycopg.connect(libpq_url(server.admin_url), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE false").format(sql.Identifier(name))
+            )
+        server.drop_database(name)
+
+
+def _freeze(admin_url: str, name: str) -> None:
+    # A connection left open by the migration (a pooled engine not disposed) would make every
+    # clone fail with "source database is being accessed by other users"; a test connecting to
+    # the template by mistake would leak its writes into every later test. Close both doors.
+    ident = sql.Identifier(name)
+    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE true ALLOW_CONNECTIONS false").format(ident)
+        )
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            (name,),
+        )
+
+
+def _sqlalchemy_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if scheme in ("postgres", "postgresql"):
+        return f"postgresql+psycopg{sep}{rest}"
+    return url
