@@ -1,0 +1,191 @@
+"""The interface every engine adapter implements, and what the agent reads from it.
+
+An adapter turns a shard spec into the processes that make up the shard and
+says how to tell a loading engine from a dead one. This module must NOT start,
+probe or wait for anything: readiness is a classification of a status code
+the agent observed, not a probe.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from llmgw.engines.command import Command
+from llmgw.engines.flags import ReservedFlag, check_reserved
+from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
+from llmgw.engines.validation import EngineTraits, validate_common, validate_spec_fits
+from llmgw.errors import SpecError
+
+__all__ = ["Engine", "HealthState", "Readiness", "host_port"]
+
+HealthState = Literal["ready", "loading", "unhealthy"]
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """How an engine's health endpoint answers while it loads, once ready, and dead."""
+
+    # Status codes that mean "still loading" before the engine was first
+    # ready. vLLM has none: it binds only after loading, and its 503 means the
+    # engine core died, so reading 503 as loading would wait forever on a
+    # corpse.
+    loading_statuses: frozenset[int]
+    ready_statuses: frozenset[int] = frozenset({200})
+
+    def classify(self, status: int | None, *, was_ready: bool) -> HealthState:
+        """`status` None means the connection was refused or timed out."""
+        if status in self.ready_statuses:
+            return "ready"
+        if was_ready:
+            return "unhealthy"
+        # Before the first ready answer a refused connection is an engine still
+        # loading its weights; the agent's start deadline catches one that
+        # never comes up.
+        if status is None or status in self.loading_statuses:
+            return "loading"
+        return "unhealthy"
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port, bracketing an IPv6 literal."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Engine(ABC):
+    """Builds launch commands for one inference engine."""
+
+    traits: ClassVar[EngineTraits]
+    health_path: ClassVar[str] = "/health"
+    # None: the engine exports no Prometheus metrics (Megatron).
+    metrics_path: ClassVar[str | None] = "/metrics"
+    readiness: ClassVar[Readiness]
+    # False: the engine checks no API key, so the agent must keep it on
+    # loopback (or the management address behind its proxy) whatever the spec.
+    authenticates: ClassVar[bool] = True
+    # The engine can come up on the CPU when placed on GPUs and keep serving
+    # without an error; the agent checks it is on its GPUs before calling it
+    # ready (list_devices_command).
+    falls_back_to_cpu: ClassVar[bool] = False
+    # The engine can free its GPU memory and resume without a restart.
+    supports_suspend: ClassVar[bool] = False
+    # Whether the engine's parser accepts unambiguous prefixes of long flags.
+    abbreviations: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    # --- validation -------------------------------------------------------
+
+    def validate(self, profile: Profile, gpus: Sequence[GPUInfo] = ()) -> list[str]:
+        """Raise SpecError if the profile cannot work on these GPUs; return warnings.
+
+        `gpus` are the node's (or the chosen) GPUs; empty skips the GPU checks.
+        """
+        if profile.engine != self.name:
+            raise SpecError(
+                f"profile {profile.name!r}: engine is {profile.engine!r}, not {self.name!r}",
+                field="profile.engine",
+            )
+        warnings = validate_common(profile, gpus, self.traits)
+        self._check_args(profile)
+        warnings.extend(self._validate_engine(profile, gpus))
+        if not self.authenticates:
+            warnings.append(
+                f"profile {profile.name!r}: {self.name} checks no API key; the agent keeps it "
+                f"on loopback behind its authenticating proxy, never directly on a network"
+            )
+        return warnings
+
+    def _check_args(self, profile: Profile) -> None:
+        check_reserved(
+            profile.name,
+            self.name,
+            profile.args,
+            self.reserved_flags(profile),
+            abbreviations=self.abbreviations,
+        )
+
+    def _validate_engine(self, profile: Profile, gpus: Sequence[GPUInfo]) -> list[str]:
+        """Engine-specific checks beyond the common ones."""
+        return []
+
+    @abstractmethod
+    def reserved_flags(self, profile: Profile) -> list[ReservedFlag]:
+        """The flags this adapter sets itself for this profile."""
+
+    # --- commands ---------------------------------------------------------
+
+    def commands(self, spec: ShardSpec, *, base_env: Mapping[str, str]) -> list[Command]:
+        """The processes of one shard, in start order.
+
+        Every command but the last is a sidecar kept alive for the shard's
+        lifetime; the last one's exit is the shard's exit. An empty list means
+        the rank runs nothing of its own: its processes are started remotely by
+        the leader's launcher (TensorRT-LLM under mpirun) and the shard only
+        holds its GPUs. `base_env` is the agent's environment, inherited.
+        """
+        p = spec.profile
+        if p.engine != self.name:
+            raise SpecError(
+                f"shard {spec.shard_id}: profile engine is {p.engine!r}, not {self.name!r}",
+                field="profile.engine",
+            )
+        # The parts of validation that do not need the GPUs are repeated here:
+        # this spec may come from anywhere, and its commands run as root. Unsafe
+        # env is not refused here but skipped (env.py), as the seed does.
+        validate_common(p.model_copy(update={"env": {}, "secret_env": {}}), (), self.traits)
+        self._check_args(p)
+        validate_spec_fits(p, rank=spec.rank, nnodes=spec.nnodes, num_gpus=spec.num_gpus)
+        if spec.on_mig and p.tp * p.pp_degree > 1:
+            raise SpecError(
+                f"shard {spec.shard_id}: a MIG instance cannot join a TP {p.tp} x PP "
+                f"{p.pp_degree} group; MIG shards are TP = PP = 1",
+                field="gpu_uuids",
+            )
+        if spec.nnodes > 1 and (not spec.leader_addr or spec.leader_port <= 0):
+            raise SpecError(
+                f"shard {spec.shard_id}: a {spec.nnodes}-node replica needs leader_addr and "
+                f"leader_port, got {spec.leader_addr!r}:{spec.leader_port}",
+                field="leader_addr",
+            )
+        if p.kv_events and spec.leader and spec.kv_events_port <= 0:
+            raise SpecError(
+                f"shard {spec.shard_id}: kv_events is on but kv_events_port is "
+                f"{spec.kv_events_port}; the agent must choose the port it listens on",
+                field="kv_events_port",
+            )
+        return self._commands(spec, base_env)
+
+    @abstractmethod
+    def _commands(self, spec: ShardSpec, inherited: Mapping[str, str]) -> list[Command]: ...
+
+    def serves_http(self, spec: ShardSpec) -> bool:
+        """Whether this rank answers the OpenAI API.
+
+        In a multi-node replica only the leader does: health-checking a
+        worker's port times out and fails a replica coming up perfectly well,
+        and SGLang's workers even run a dummy health server that says 200.
+        """
+        return spec.leader
+
+    # --- optional capabilities --------------------------------------------
+
+    def help_command(self, command: Command) -> tuple[str, tuple[str, ...]]:
+        """How to ask the engine's program for its help text, to check flags exist.
+
+        Engines started through an interpreter or launcher override this: their
+        command's path with --help would describe the interpreter.
+        """
+        return command.path, ("--help",)
+
+    def list_devices_command(self, command: Command) -> tuple[str, tuple[str, ...]] | None:
+        """A command that lists the GPUs the engine's build can see, or None."""
+        return None
+
+    def use_installed(self, path: str) -> bool:
+        """Point the engine at a build the agent installed; False if it takes none."""
+        return False

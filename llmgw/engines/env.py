@@ -1,0 +1,193 @@
+"""The environment every engine shares, and which variables a profile may not set.
+
+Environment generation is where multi-node runs go wrong: one missing NCCL
+variable turns a working tensor-parallel group into one that hangs on the
+first all-reduce. The rules live here, once, for every adapter.
+
+This module must NOT read os.environ: the agent passes its environment in as
+`inherited`, so the same spec always yields the same command and tests need no
+monkeypatching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from llmgw.engines.spec import ShardSpec
+
+__all__ = [
+    "LLMGW_PREFIX",
+    "OWNED_ENV",
+    "UNSAFE_ENV",
+    "UNSAFE_ENV_PREFIXES",
+    "materialize_env",
+    "shard_env",
+    "unsafe_env_reason",
+]
+
+LLMGW_PREFIX = "LLMGW_"
+
+# Variables that make a process load or run code it names. The engine runs as
+# the agent's user (often root), so a profile that sets one of these executes
+# whatever the profile's author chose on every node that runs it. The node's
+# own values (the unit file's LD_LIBRARY_PATH for CUDA) are still inherited:
+# the operator of the node set those, not a catalog entry.
+_CODE_LOADING: dict[str, str] = {
+    # glibc's loader: preloads, audits or redirects libraries into the process.
+    "LD_PRELOAD": "the dynamic loader injects the library it names",
+    "LD_LIBRARY_PATH": "the dynamic loader resolves libraries from the directories it names",
+    "LD_AUDIT": "the dynamic loader runs the audit library it names",
+    # glibc loads iconv modules from here: the classic setuid escalation.
+    "GCONV_PATH": "glibc loads character-conversion modules from it",
+    # CUDA loads this library into every process that initialises it.
+    "CUDA_INJECTION64_PATH": "the CUDA driver loads the library it names",
+    "CUDA_INJECTION32_PATH": "the CUDA driver loads the library it names",
+    # NCCL dlopens the plugin library named here.
+    "NCCL_NET_PLUGIN": "NCCL loads the network plugin library it names",
+    "NCCL_TUNER_PLUGIN": "NCCL loads the tuner plugin library it names",
+    "NCCL_PROFILER_PLUGIN": "NCCL loads the profiler plugin library it names",
+    # Python's import machinery and startup hooks.
+    "PYTHONPATH": "Python imports modules from the directories it names",
+    "PYTHONHOME": "Python loads its standard library from it",
+    "PYTHONUSERBASE": "Python runs .pth files from the user site-packages under it",
+    "PYTHONPYCACHEPREFIX": "Python loads cached bytecode from it",
+    "PYTHONSTARTUP": "Python runs the file it names",
+    "PYTHONINSPECT": "Python drops into an interactive prompt on exit",
+    "PYTHONBREAKPOINT": "Python imports and calls the callable it names on breakpoint()",
+    # A warning category like `mod.Class` makes Python import `mod` at startup.
+    "PYTHONWARNINGS": "Python imports the modules its categories name",
+    # Shells run these files or definitions before the engine's launcher script.
+    "BASH_ENV": "bash runs the file it names",
+    "ENV": "sh runs the file it names",
+    "SHELLOPTS": "bash applies the shell options it names",
+    "BASHOPTS": "bash applies the shell options it names",
+    # Developer switches that open endpoints or decoders to callers of the
+    # engine: /collective_rpc and friends, pickle decoding, and loading LoRA
+    # adapters from arbitrary paths at request time.
+    "VLLM_SERVER_DEV_MODE": "vLLM exposes developer endpoints, /collective_rpc among them",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "vLLM unpickles data it receives",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "vLLM loads adapters from paths clients send",
+}
+
+# Prefixes of code-loading variables: every LD_* (and macOS's DYLD_*) steers
+# the dynamic loader; BASH_FUNC_* are exported shell functions bash imports.
+UNSAFE_ENV_PREFIXES: dict[str, str] = {
+    "LD_": "the dynamic loader reads LD_* variables",
+    "DYLD_": "the dynamic loader reads DYLD_* variables",
+    "BASH_FUNC_": "bash imports exported functions from BASH_FUNC_* variables",
+}
+
+# Variables llmgw sets itself. A profile value would silently undo a rule:
+# another shard's GPUs, another fabric's HCAs, a KV hash seed the router does
+# not use, an API key the gateway does not hold. The agent's own values are
+# dropped too, so a shard never inherits the agent's GPUs or keys.
+_OWNED: dict[str, str] = {
+    "CUDA_VISIBLE_DEVICES": "llmgw pins each shard to the GPUs placement gave it",
+    "CUDA_DEVICE_ORDER": "llmgw makes CUDA count GPUs in nvidia-smi's order, which placement uses",
+    "NCCL_IB_HCA": "llmgw lists only the HCAs of the fabric placement chose",
+    "NCCL_IB_GID_INDEX": "llmgw sets the RoCE GID index the agent discovered",
+    "PYTHONHASHSEED": "llmgw sets it from profile.kv_hash.seed, which the router hashes with",
+    "VLLM_API_KEY": "llmgw gives each shard its own API key",
+    "VLLM_HOST_IP": "llmgw sets each rank's management address",
+    "LLAMA_API_KEY": "llmgw gives each shard its own API key",
+    "SIMENGINE_API_KEY": "llmgw gives each shard its own API key",
+    # SGLang loads any flag from this file, the API key and bind address included.
+    "SGLANG_CONFIG": "llmgw writes SGLang's config file, which carries the API key",
+}
+
+UNSAFE_ENV: frozenset[str] = frozenset(_CODE_LOADING) | frozenset(_OWNED)
+OWNED_ENV: frozenset[str] = frozenset(_OWNED)
+
+
+def unsafe_env_reason(name: str) -> str | None:
+    """Why a profile may not set `name`, or None when it may."""
+    if not name or "=" in name or "\0" in name:
+        # exec's environment is "NAME=VALUE" strings: a name "PYTHONPATH=/x"
+        # would set PYTHONPATH past every check on the name.
+        return "it is not a valid variable name (empty, or contains '=' or NUL)"
+    if name in _CODE_LOADING:
+        return _CODE_LOADING[name]
+    if name in _OWNED:
+        return _OWNED[name]
+    if name.startswith(LLMGW_PREFIX):
+        # llmgw's own settings and the shard marker (LLMGW_SHARD_ID) the
+        # wrapper stops processes by: a forged marker gets a process killed
+        # with the wrong shard, or outlive its own.
+        return "LLMGW_* variables belong to llmgw itself"
+    for prefix, why in UNSAFE_ENV_PREFIXES.items():
+        if name.startswith(prefix):
+            return why
+    return None
+
+
+def _owned_or_llmgw(name: str) -> bool:
+    return name in _OWNED or name.startswith(LLMGW_PREFIX)
+
+
+def shard_env(spec: ShardSpec, engine_vars: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables every engine is given for this shard: the shared rules, then
+    the adapter's own `engine_vars`, then the profile's overrides.
+
+    The rules:
+    - CUDA_VISIBLE_DEVICES pins the shard to its GPUs, so two shards on one node
+      cannot fight over a card; a shard with none gets an empty value, which
+      hides every GPU rather than letting a CPU engine grab one.
+    - NCCL_IB_HCA lists only the chosen fabric's adapters. Unset, NCCL picks
+      adapters of another fabric where the peer is unreachable, and hangs.
+    - NCCL_SOCKET_IFNAME pins bootstrap to the management interface; NCCL
+      otherwise probes every interface, IB-over-IP ones that do not route
+      between fabrics included.
+    - NCCL_IB_DISABLE is set when there is no fabric, so NCCL stops looking for
+      one instead of timing out.
+    """
+    devices = spec.gpu_uuids if spec.gpu_uuids else tuple(str(i) for i in spec.gpu_indices)
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(devices),
+        # nvidia-smi counts by PCI bus, CUDA fastest-first unless told: on a
+        # node with two kinds of GPU the shard would get another card than the
+        # one placement gave it, which another shard may hold.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
+    if spec.hcas:
+        env["NCCL_IB_HCA"] = ",".join(spec.hcas)
+        env["NCCL_IB_DISABLE"] = "0"
+        # RoCE: the routable RoCE v2 entry. A v1 link-local default hangs.
+        if spec.gid_index is not None:
+            env["NCCL_IB_GID_INDEX"] = str(spec.gid_index)
+    else:
+        env["NCCL_IB_DISABLE"] = "1"
+    # Inside a multi-node NVLink domain NCCL carries collectives over NVLink
+    # between nodes only when told to, and needs cuMem (IMEX) handles for it.
+    if spec.nnodes > 1 and spec.fabric.startswith("nvl:"):
+        env["NCCL_MNNVL_ENABLE"] = "1"
+        env["NCCL_CUMEM_ENABLE"] = "1"
+    if spec.mgmt_interface:
+        env["NCCL_SOCKET_IFNAME"] = spec.mgmt_interface
+        env["GLOO_SOCKET_IFNAME"] = spec.mgmt_interface
+    env.update(engine_vars or {})
+    # Profile overrides win, except unsafe ones: checked again here and not
+    # only when the profile was defined, because this is the process about to
+    # run as root, whatever sent the profile.
+    for k, v in spec.profile.env.items():
+        if unsafe_env_reason(k) is None and "\0" not in v:
+            env[k] = v
+    return env
+
+
+def materialize_env(
+    inherited: Mapping[str, str], generated: Mapping[str, str], spec: ShardSpec
+) -> dict[str, str]:
+    """The complete, sorted environment of one command.
+
+    Inheriting the agent's environment matters: engines need PATH, HOME,
+    HF_HOME and the LD_LIBRARY_PATH the operator set up in the unit file. What
+    llmgw owns is dropped from it first (a CPU shard must not inherit the
+    agent's CUDA_VISIBLE_DEVICES, nor any engine the agent's LLMGW_* token).
+    Secrets come last and pass the same unsafe-name filter as profile env.
+    """
+    merged = {k: v for k, v in inherited.items() if not _owned_or_llmgw(k)}
+    merged.update(generated)
+    for k, v in spec.secret_env.items():
+        if unsafe_env_reason(k) is None and "\0" not in v:
+            merged[k] = v
+    return dict(sorted(merged.items()))

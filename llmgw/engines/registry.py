@@ -1,0 +1,82 @@
+"""The engines a node knows, built from its configuration.
+
+This module must NOT probe the node for installed engines: which are disabled
+or offered is configuration, decided by the operator and passed in.
+"""
+
+from __future__ import annotations
+
+from llmgw.engines.config import EnginesConfig
+from llmgw.engines.engine import Engine
+from llmgw.engines.llamacpp import LlamaCpp
+from llmgw.engines.megatron import Megatron
+from llmgw.engines.sglang import SGLang
+from llmgw.engines.sim import Sim
+from llmgw.engines.trtllm import TRTLLM
+from llmgw.engines.vllm import VLLM
+from llmgw.errors import SpecError
+
+__all__ = ["ENGINE_NAMES", "EngineRegistry"]
+
+ENGINE_NAMES = ("llamacpp", "megatron", "sglang", "sim", "trtllm", "vllm")
+
+
+class EngineRegistry:
+    """The built-in engines, minus those this node disables or cannot offer."""
+
+    def __init__(self, config: EnginesConfig | None = None) -> None:
+        cfg = config or EnginesConfig()
+        unknown = sorted(set(cfg.disabled) - set(ENGINE_NAMES))
+        if unknown:
+            raise SpecError(
+                f"engines.disabled names unknown engines {', '.join(unknown)} "
+                f"(have {', '.join(ENGINE_NAMES)})",
+                field="engines.disabled",
+            )
+        self._disabled = frozenset(cfg.disabled)
+        self._engines: dict[str, Engine] = {}
+        for engine in (
+            VLLM(cfg.vllm),
+            SGLang(cfg.sglang),
+            LlamaCpp(cfg.llamacpp),
+            TRTLLM(cfg.trtllm),
+            Megatron(cfg.megatron),
+            Sim(cfg.sim),
+        ):
+            self.add(engine)
+
+    def add(self, engine: Engine) -> None:
+        """Register an engine, replacing one of the same name."""
+        self._engines[engine.name] = engine
+
+    def _unavailable(self, name: str) -> str | None:
+        if name in self._disabled:
+            return f"engine {name!r} is disabled on this node (engines.disabled)"
+        engine = self._engines.get(name)
+        if isinstance(engine, TRTLLM) and not engine.offered:
+            return (
+                f"engine {name!r} is not offered on this node: set engines.trtllm.serve_path "
+                f"to TensorRT-LLM's trtllm-serve"
+            )
+        return None
+
+    def get(self, name: str) -> Engine:
+        """The engine by name, or a SpecError naming the engines there are."""
+        if name not in self._engines:
+            raise SpecError(
+                f"unknown engine {name!r} (have {', '.join(sorted(self._engines))})",
+                field="profile.engine",
+            )
+        why = self._unavailable(name)
+        if why is not None:
+            raise SpecError(why, field="profile.engine")
+        return self._engines[name]
+
+    def names(self) -> list[str]:
+        """The engines this node offers, sorted."""
+        return sorted(n for n in self._engines if self._unavailable(n) is None)
+
+    def use_installed(self, name: str, path: str) -> bool:
+        """Point an engine at a build the agent installed; False if it takes none."""
+        engine = self._engines.get(name)
+        return engine.use_installed(path) if engine is not None else False

@@ -1,0 +1,84 @@
+"""The simulator adapter: `llmgw simengine`, launched exactly like a real engine.
+
+The command line is the contract with llmgw/simengine (SIMCLI): flags reuse
+vLLM's names where vLLM has the concept, so the agent's KV-event plumbing
+serves both. This module must NOT read sys.executable: the interpreter comes
+from SimConfig, which the agent fills in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from llmgw.engines.command import Command
+from llmgw.engines.config import SimConfig
+from llmgw.engines.engine import Engine, Readiness
+from llmgw.engines.env import materialize_env, shard_env
+from llmgw.engines.flags import ReservedFlag
+from llmgw.engines.kv_config import kv_events_config
+from llmgw.engines.spec import Profile, ShardSpec
+from llmgw.engines.validation import EngineTraits
+
+__all__ = ["Sim"]
+
+_PROGRAM = ("-m", "llmgw", "simengine")
+_RESERVED = (
+    ReservedFlag(("--host",), "the agent's bind address (ShardSpec.bind_addr)"),
+    ReservedFlag(("--port",), "the port the agent chooses (ShardSpec.http_port)"),
+    ReservedFlag(("--model",), "profile.model_path"),
+    ReservedFlag(("--served-model-name",), "profile.served_model_name"),
+    ReservedFlag(("--lora-modules",), "profile.adapters"),
+    ReservedFlag(("--block-size",), "profile.kv_hash.block_size"),
+    ReservedFlag(("--kv-events-config",), "profile.kv_events"),
+    ReservedFlag(("--kv-extra-key-format",), "profile.kv_hash.extra_key_format"),
+)
+
+
+class Sim(Engine):
+    traits = EngineTraits(name="sim", multi_node=False, cpu=True, kv_events=True)
+    # Unlike vLLM the simulator answers while "loading": 503, then 200.
+    readiness = Readiness(loading_statuses=frozenset({503}))
+    supports_suspend = True
+
+    def __init__(self, cfg: SimConfig | None = None) -> None:
+        self._cfg = cfg or SimConfig()
+
+    def reserved_flags(self, profile: Profile) -> list[ReservedFlag]:
+        return list(_RESERVED)
+
+    def help_command(self, command: Command) -> tuple[str, tuple[str, ...]]:
+        return self._cfg.python_executable, (*_PROGRAM, "--help")
+
+    def _commands(self, spec: ShardSpec, inherited: Mapping[str, str]) -> list[Command]:
+        p = spec.profile
+        args = [
+            *_PROGRAM,
+            "--model",
+            p.model_path,
+            "--served-model-name",
+            p.served_name,
+            "--host",
+            spec.host,
+            "--port",
+            str(spec.http_port),
+            # The simulated KV cache always has blocks; with kv_events the
+            # router hashes prompts in blocks of the same size.
+            "--block-size",
+            str(p.kv_hash.block_size),
+            "--kv-extra-key-format",
+            p.kv_hash.extra_key_format,
+        ]
+        for a in p.adapters:
+            args += ["--lora-modules", f"{a.name}={a.path}"]
+        if p.kv_events:
+            args += ["--kv-events-config", kv_events_config(spec)]
+        args += p.args
+        extra: dict[str, str] = {}
+        if spec.api_key:
+            extra["SIMENGINE_API_KEY"] = spec.api_key
+        if p.kv_events:
+            extra["PYTHONHASHSEED"] = p.kv_hash.seed
+        env = materialize_env(inherited, shard_env(spec, extra), spec)
+        return [
+            Command(name="simengine", path=self._cfg.python_executable, args=tuple(args), env=env)
+        ]

@@ -1,0 +1,286 @@
+"""What launching an engine needs: the profile, the shard spec and the facts about GPUs.
+
+These are wire types: the control plane stores a `ShardSpec` as JSON in
+Postgres and ships it to agents, so each is a frozen pydantic model that
+round-trips through JSON unchanged and refuses fields it does not know (a typo
+in a spec file must fail, not be dropped silently).
+
+This module must NOT read files, the environment or anything else: parsing
+input that came from elsewhere is `parse_shard_spec`'s job, given the data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NewType
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmgw.errors import SpecError
+
+__all__ = [
+    "CPU_GPU_CLASS",
+    "KV_HASH_ALGORITHM",
+    "Adapter",
+    "ExtraKeyFormat",
+    "GPUInfo",
+    "KVHashParams",
+    "MultinodeBackend",
+    "Profile",
+    "ReplicaId",
+    "ShardId",
+    "ShardSpec",
+    "describe_validation_error",
+    "parse_gpus",
+    "parse_shard_spec",
+]
+
+ReplicaId = NewType("ReplicaId", str)
+ShardId = NewType("ShardId", str)
+
+# The gpu_class of a profile that runs on CPU cores alone. Placement gives its
+# shards threads instead of GPUs, and adapters hide every GPU from them.
+CPU_GPU_CLASS = "cpu"
+
+# The only block-hash algorithm llmgw's router reproduces (design §7): vLLM's
+# default `sha256` pickles, which no other process can hash identically.
+KV_HASH_ALGORITHM: Literal["sha256_cbor"] = "sha256_cbor"
+
+# How LoRA names and cache salts enter vLLM's block-hash extra keys: "tagged"
+# since vLLM 0.31, "legacy" for 0.19-0.30. A property of the engine build that
+# the router must match; the simulator takes it as a flag.
+ExtraKeyFormat = Literal["tagged", "legacy"]
+
+# How a multi-node vLLM replica is wired: Ray (design §6's default) or vLLM's
+# own multiprocess launcher (`--nnodes/--headless`). Other engines ignore it.
+MultinodeBackend = Literal["ray", "native"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+class Adapter(_Wire):
+    """A LoRA adapter loaded beside the model. Path is a source until the agent
+    has fetched it, a local file after."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+
+
+class KVHashParams(_Wire):
+    """The parameters the router needs to hash prompts exactly as the engine
+    hashes its KV blocks (design §3). Replicas whose parameters differ never
+    share a block hash, so the router groups replicas by this value."""
+
+    # Becomes PYTHONHASHSEED, which seeds vLLM's root hash (NONE_HASH). Empty
+    # means "not chosen": a kv_events profile is refused until the control plane
+    # fills in its per-cluster random seed. "0" is refused too, since it also
+    # turns off Python's string-hash randomization in the engine process.
+    seed: str = ""
+    block_size: int = Field(default=16, gt=0)
+    algorithm: Literal["sha256_cbor"] = KV_HASH_ALGORITHM
+    extra_key_format: ExtraKeyFormat = "tagged"
+
+
+class Profile(_Wire):
+    """How a model runs on a GPU class, reduced to what launching needs."""
+
+    name: str = Field(min_length=1)
+    engine: str = Field(min_length=1)
+    gpu_class: str = ""
+    # Tensor and pipeline parallel degrees.
+    tp: int = 1
+    pp: int = 1
+    # GPUs each shard occupies; 0 means tp x pp (one node holds the replica).
+    gpus_per_node: int = 0
+    # Nodes one replica spans. Above 1, a fabric is required.
+    nodes: int = 1
+    # Passed to the engine untouched, in order, after the flags the adapter sets.
+    args: tuple[str, ...] = ()
+    # Override what the adapter generates: the escape hatch for per-cluster
+    # tuning no adapter can guess. Unsafe names are refused (see env.py).
+    env: dict[str, str] = Field(default_factory=dict)
+    # Environment variable name -> reference to a secret. The control plane
+    # resolves the references into ShardSpec.secret_env; the references are
+    # write-only for admins and never part of a fingerprint.
+    secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
+    model_path: str = ""
+    # The name clients use, which need not match the path; empty means the path.
+    served_model_name: str = ""
+    # In order: an adapter's index is the id llama.cpp applies it by.
+    adapters: tuple[Adapter, ...] = ()
+    # Have the engine publish KV cache events to the agent (vLLM and sim only).
+    kv_events: bool = False
+    # CPU cores an engine on the CPU computes on; 0 leaves it to placement
+    # (ShardSpec.threads) or the engine.
+    threads: int = Field(default=0, ge=0)
+    kv_hash: KVHashParams = Field(default_factory=KVHashParams)
+    multinode_backend: MultinodeBackend = "ray"
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def pp_degree(self) -> int:
+        return max(self.pp, 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.nodes, 1)
+
+    @property
+    def per_node(self) -> int:
+        """GPUs each shard holds."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.tp * self.pp_degree
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.gpu_class == CPU_GPU_CLASS
+
+
+class ShardSpec(_Wire):
+    """One shard of one replica on one node: the full launch spec.
+
+    The control plane fills in placement (GPUs, HCAs, fabric, leader port);
+    the agent fills in what only the node knows (bind and node addresses, the
+    HTTP and KV-event ports, UUIDs of MIG instances, its runtime directory).
+    """
+
+    replica_id: ReplicaId
+    shard_id: ShardId
+    # Node rank; 0 is the leader and the only rank that serves HTTP.
+    rank: int = Field(default=0, ge=0)
+    nnodes: int = Field(default=1, ge=1)
+    # The distributed-init endpoint, always on the management network rather
+    # than the fabric: NCCL bootstraps over TCP and only then moves to RDMA.
+    # Under Ray it is the Ray head's GCS port.
+    leader_addr: str = ""
+    leader_port: int = Field(default=0, ge=0, le=65535)
+    # The local GPUs this shard uses, nvidia-smi's (PCI bus) numbering.
+    gpu_indices: tuple[int, ...] = ()
+    # The same devices by UUID, in the same order, set by the agent only when
+    # one is a MIG instance: CUDA addresses an instance only as
+    # CUDA_VISIBLE_DEVICES=MIG-<uuid>, and the indices placement uses for it
+    # (1000 and up) mean nothing to CUDA.
+    gpu_uuids: tuple[str, ...] = ()
+    # The adapters of the chosen fabric, and only that fabric: NCCL given HCAs
+    # of a fabric the peer is not on hangs instead of failing.
+    hcas: tuple[str, ...] = ()
+    # The ethernet interface bootstrap traffic uses.
+    mgmt_interface: str = ""
+    # RoCE v2 GID index of the HCAs, set by the agent for RoCE; None on
+    # InfiniBand, where NCCL needs none.
+    gid_index: int | None = None
+    http_port: int = Field(default=0, ge=0, le=65535)
+    profile: Profile
+    # Where the engine's HTTP server listens, set by the agent. Empty means
+    # 127.0.0.1: engines are no security boundary (design §6), so they are
+    # reached through the agent's authenticating proxy unless the operator
+    # declared the management network trusted.
+    bind_addr: str = ""
+    # This node's management address, set by the agent: what peers reach this
+    # rank on (VLLM_HOST_IP, Ray's --node-ip-address). Needed off the leader.
+    node_addr: str = ""
+    # The management addresses of every rank's node, by rank. Only launchers
+    # that start all ranks from the leader (TensorRT-LLM's mpirun) read it.
+    peer_addrs: tuple[str, ...] = ()
+    # What the engine demands of every request. Given in the environment or a
+    # 0600 file, never argv, which every user on the node can read.
+    api_key: str = Field(default="", repr=False)
+    # Resolved Profile.secret_env: variable name -> secret value.
+    secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
+    # Loopback port the agent receives this shard's KV events on (its SUB
+    # binds, the engine's PUB connects); 0 when it publishes none. Kept in the
+    # spec so a restarted agent listens where an adopted engine still sends.
+    kv_events_port: int = Field(default=0, ge=0, le=65535)
+    # Loopback port the engine binds its replay ROUTER on; 0 for no replay.
+    kv_replay_port: int = Field(default=0, ge=0, le=65535)
+    # CPU cores placement reserved for a shard with no GPU; 0 leaves it to the
+    # profile's threads or the engine.
+    threads: int = Field(default=0, ge=0)
+    # Directory the agent writes this shard's files into (Command.files);
+    # empty means the directory the shard is started in.
+    runtime_dir: str = ""
+    # Control-plane facts carried so the agent can report them back after a
+    # restart. Fabric's "nvl:" prefix also marks a multi-node NVLink domain,
+    # which changes NCCL's environment.
+    pool: str = ""
+    fabric: str = ""
+    # The fingerprint of the profile version this shard was started from;
+    # carried, never read here.
+    profile_fp: str = ""
+
+    @model_validator(mode="after")
+    def _uuids_name_the_indices(self) -> ShardSpec:
+        if self.gpu_uuids and len(self.gpu_uuids) != len(self.gpu_indices):
+            raise ValueError(
+                f"gpu_uuids names {len(self.gpu_uuids)} devices but gpu_indices "
+                f"{len(self.gpu_indices)}; they are the same devices in the same order"
+            )
+        return self
+
+    @property
+    def host(self) -> str:
+        return self.bind_addr or "127.0.0.1"
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_mig(self) -> bool:
+        return any(u.startswith("MIG-") for u in self.gpu_uuids)
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or self.profile.threads
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_uuids) if self.gpu_uuids else len(self.gpu_indices)
+
+
+class GPUInfo(_Wire):
+    """The facts about one GPU that validation needs."""
+
+    index: int
+    name: str
+    # As NVML reports it, "9.0"; unparsable values skip capability checks.
+    compute_capability: str = ""
+    memory_total_mb: int = 0
+
+    @property
+    def mig(self) -> bool:
+        # NVML names an instance "<parent> MIG 1g.10gb", and placement numbers
+        # instances from 1000 (seed), so either mark means a slice.
+        return self.index >= 1000 or " MIG " in f" {self.name} "
+
+
+def describe_validation_error(what: str, err: ValidationError) -> str:
+    """One line per problem, each naming the field path, for people to read."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        parts.append(f"{loc}: {e['msg']}")
+    return f"{what} is invalid: " + "; ".join(parts)
+
+
+def parse_shard_spec(data: Any) -> ShardSpec:
+    """A ShardSpec from decoded JSON or YAML, or a SpecError naming each bad field."""
+    try:
+        return ShardSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(describe_validation_error("shard spec", e), field="spec") from None
+
+
+def parse_gpus(data: Any) -> list[GPUInfo]:
+    """A GPU list (JSON list of GPUInfo objects), or a SpecError."""
+    if not isinstance(data, list):
+        raise SpecError(
+            f"GPU list must be a JSON list of objects, got {type(data).__name__}", field="gpus"
+        )
+    try:
+        return [GPUInfo.model_validate(g) for g in data]
+    except ValidationError as e:
+        raise SpecError(describe_validation_error("GPU list", e), field="gpus") from None
