@@ -26,9 +26,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         json = not sys.stderr.isatty()
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
-        raise ValueError(
-            f"log level {level!r} is not one of debug, info, warning, error, critical"
-        )
+        raise ValueError(f"log level {level!r} is not one of debug, info, warning, error, critical")
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,

@@ -1,8 +1,131 @@
-"""`llmgw simengine` (owned by the [simengine] work; placeholder until it lands)."""
+"""`llmgw simengine`: the simulator engine's command line (the `sim` adapter's contract).
+
+Flags reuse vLLM's names where vLLM has the concept. The environment is read
+here and only here: SIMENGINE_API_KEY (guards /v1 like VLLM_API_KEY) and
+PYTHONHASHSEED (the block-hash seed exactly as vLLM reads it; unset means
+vLLM >= 0.29's fixed default). Heavy imports stay inside the function so
+`llmgw --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
 
 import typer
 
+__all__ = ["simengine"]
 
-def simengine() -> None:
-    """Run the simulator engine."""
-    raise typer.Exit(1)
+
+def simengine(
+    model: Annotated[
+        str, typer.Option("--model", help="Reported as the model's root in /v1/models.")
+    ] = "sim-model",
+    served_model_name: Annotated[
+        str | None,
+        typer.Option("--served-model-name", help="The name clients use (default: --model)."),
+    ] = None,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    lora_modules: Annotated[
+        list[str] | None, typer.Option("--lora-modules", help="NAME=PATH, repeatable, in order.")
+    ] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV block size in tokens.")] = 16,
+    num_blocks: Annotated[
+        int, typer.Option("--num-blocks", help="KV cache capacity in blocks.")
+    ] = 4096,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option("--max-num-batched-tokens", help="Per-step token budget.")
+    ] = 2048,
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", help="Max requests holding KV.")
+    ] = 256,
+    max_model_len: Annotated[
+        int, typer.Option("--max-model-len", help="Prompt + completion limit.")
+    ] = 32768,
+    kv_events_config: Annotated[
+        str | None, typer.Option("--kv-events-config", help="vLLM's KVEventsConfig as JSON.")
+    ] = None,
+    kv_events_shape: Annotated[
+        str, typer.Option("--kv-events-shape", help="map (vLLM >= 0.24) or array (<= 0.23).")
+    ] = "map",
+    kv_events_hash: Annotated[
+        str,
+        typer.Option("--kv-events-hash", help="int (uint64, vLLM's default) or bytes (digests)."),
+    ] = "int",
+    kv_extra_key_format: Annotated[
+        str,
+        typer.Option("--kv-extra-key-format", help="tagged (vLLM >= 0.31) or legacy (0.19-0.30)."),
+    ] = "tagged",
+    load_time_s: Annotated[
+        float, typer.Option("--load-time-s", help="Seconds before /health is 200.")
+    ] = 0.0,
+    time_scale: Annotated[
+        float, typer.Option("--time-scale", help="Multiplies every modelled duration.")
+    ] = 1.0,
+    step_overhead_ms: Annotated[float, typer.Option("--step-overhead-ms")] = 2.0,
+    prefill_ms_per_token: Annotated[float, typer.Option("--prefill-ms-per-token")] = 0.05,
+    decode_ms_per_seq: Annotated[float, typer.Option("--decode-ms-per-seq")] = 0.3,
+    seed: Annotated[int, typer.Option("--seed", help="Default sampling seed.")] = 0,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run the simulator engine (what the `sim` engine adapter starts)."""
+    from llmgw.errors import LlmgwError
+    from llmgw.logs import configure_logging, get_logger
+
+    configure_logging(log_level)
+    try:
+        from llmgw.simengine.config import (
+            SimEngineConfig,
+            parse_kv_events_config,
+            parse_lora_module,
+        )
+        from llmgw.simengine.scheduler import SchedulerConfig
+        from llmgw.simengine.timing import TimingModel
+
+        config = SimEngineConfig(
+            model=model,
+            served_model_name=served_model_name or model,
+            host=host,
+            port=port,
+            lora_modules=tuple(parse_lora_module(m) for m in lora_modules or ()),
+            scheduler=SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+            ),
+            timing=TimingModel(
+                step_overhead_ms=step_overhead_ms,
+                prefill_ms_per_token=prefill_ms_per_token,
+                decode_ms_per_seq=decode_ms_per_seq,
+                time_scale=time_scale,
+            ),
+            kv_events=parse_kv_events_config(kv_events_config),
+            kv_events_shape=_choice("--kv-events-shape", kv_events_shape, ("map", "array")),  # type: ignore[arg-type]
+            kv_events_hash=_choice("--kv-events-hash", kv_events_hash, ("int", "bytes")),  # type: ignore[arg-type]
+            kv_extra_key_format=_choice(  # type: ignore[arg-type]
+                "--kv-extra-key-format", kv_extra_key_format, ("tagged", "legacy")
+            ),
+            load_time_s=load_time_s,
+            seed=seed,
+            # vLLM hashes PYTHONHASHSEED as the string it reads; unset = its >= 0.29 default seed.
+            hash_seed=os.environ.get("PYTHONHASHSEED"),
+            api_key=os.environ.get("SIMENGINE_API_KEY") or None,
+        )
+    except LlmgwError as exc:
+        get_logger(__name__).error("simengine_config_invalid", error=exc.message, field=exc.field)
+        typer.echo(f"llmgw simengine: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    from llmgw.simengine.server import serve
+
+    serve(config, log_level=log_level)
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
+    from llmgw.errors import ConfigError
+
+    if value not in allowed:
+        raise ConfigError(f"{flag} {value!r} is not one of {', '.join(allowed)}", field=flag)
+    return value

@@ -1,0 +1,148 @@
+"""The simulator's settings: one frozen object built by `llmgw simengine` from its flags and env.
+
+Flag names follow vLLM wherever vLLM has the concept (the `sim` engine
+adapter's contract: `--kv-events-config` takes vLLM's JSON object with vLLM's
+field names), so the agent's KV-event plumbing treats the simulator exactly
+like vLLM.
+
+Must NOT read the environment or argv itself: `llmgw/commands/simengine.py`
+does, once, and passes values in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from llmgw.errors import ConfigError
+from llmgw.kv.hashing import ExtraKeyFormat
+from llmgw.simengine.scheduler import SchedulerConfig
+from llmgw.simengine.timing import TimingModel
+
+__all__ = [
+    "KvEventsConfig",
+    "LoraModule",
+    "SimEngineConfig",
+    "parse_kv_events_config",
+    "parse_lora_module",
+]
+
+
+class KvEventsConfig(BaseModel):
+    """vLLM's KVEventsConfig fields and defaults (reference vllm-kv-events.md §2)."""
+
+    # Unknown keys are refused: a typo such as "replay_endpont" would silently disable replay.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enable_kv_cache_events: bool = False
+    # Since vLLM 0.14 an unset publisher means "zmq" when events are enabled.
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    # Accepted for vLLM compatibility and unused: the simulator sends on the loop, with no queue.
+    max_queue_size: int = 100000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
+def parse_kv_events_config(raw: str | None) -> KvEventsConfig:
+    if raw is None or not raw.strip():
+        return KvEventsConfig()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"--kv-events-config is not JSON ({exc.msg} at char {exc.pos}); pass an object like "
+            '\'{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557"}\'',
+            field="kv_events_config",
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"--kv-events-config is a JSON {type(data).__name__}; pass an object",
+            field="kv_events_config",
+        )
+    try:
+        config = KvEventsConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise ConfigError(
+            f"--kv-events-config is invalid ({problems}); use vLLM's KVEventsConfig field names",
+            field="kv_events_config",
+        ) from None
+    if config.publisher not in (None, "zmq", "null"):
+        raise ConfigError(
+            f"--kv-events-config publisher {config.publisher!r} is unknown; use 'zmq' or 'null'",
+            field="kv_events_config.publisher",
+        )
+    if config.buffer_steps < 1 or config.hwm < 0:
+        raise ConfigError(
+            f"--kv-events-config buffer_steps={config.buffer_steps} hwm={config.hwm}: "
+            "buffer_steps must be >= 1 and hwm >= 0",
+            field="kv_events_config",
+        )
+    return config
+
+
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    name: str
+    path: str
+
+
+def parse_lora_module(raw: str) -> LoraModule:
+    name, sep, path = raw.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(
+            f"--lora-modules {raw!r} is not NAME=PATH; pass e.g. --lora-modules sql=/adapters/sql",
+            field="lora_modules",
+        )
+    return LoraModule(name=name, path=path)
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngineConfig:
+    model: str = "sim-model"
+    served_model_name: str = "sim-model"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    lora_modules: tuple[LoraModule, ...] = ()
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    timing: TimingModel = field(default_factory=TimingModel)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    kv_events_shape: Literal["map", "array"] = "map"
+    kv_events_hash: Literal["int", "bytes"] = "int"
+    kv_extra_key_format: ExtraKeyFormat = "tagged"
+    load_time_s: float = 0.0
+    seed: int = 0
+    # PYTHONHASHSEED as the engine saw it; None = vLLM >= 0.29's fixed default seed.
+    hash_seed: str | None = None
+    # SIMENGINE_API_KEY; None = /v1 is open.
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        names = [self.served_model_name, *(m.name for m in self.lora_modules)]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(
+                f"model names {duplicates} are used twice (served name and LoRA modules share "
+                "one namespace); give every adapter its own name",
+                field="lora_modules",
+            )
+        if self.load_time_s < 0:
+            raise ConfigError(f"--load-time-s {self.load_time_s} is negative", field="load_time_s")
+
+    def lora_path(self, name: str) -> str | None:
+        for module in self.lora_modules:
+            if module.name == name:
+                return module.path
+        return None

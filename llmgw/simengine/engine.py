@@ -1,0 +1,391 @@
+"""The asyncio shell around the scheduler: runs steps in modelled time, feeds streams, publishes events.
+
+One task steps the pure `Scheduler`; after each step it publishes the step's
+KV events at once (so `/debug/kv_blocks` and the last published seq always
+describe the same cache), sleeps until the modelled step duration has passed
+(counted from the end of the previous step, so the CPU time spent scheduling
+and delivering is inside the modelled time, not added to it) and then hands
+each request its new token. HTTP handlers only submit, wait on their `RequestStream`, and abort.
+
+A stream is woken at most once per step however many tokens it got, and a
+handler writes everything pending in one send: that is what keeps the CPU
+cost per streamed token low with hundreds of concurrent streams.
+
+Must NOT format HTTP responses (openai_wire.py) or parse requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.errors import LlmgwError, SpecError
+from llmgw.kv.hashing import BlockHash, extra_keys_for_block, hash64, hash_block, none_hash
+from llmgw.logs import get_logger
+from llmgw.simengine.config import SimEngineConfig
+from llmgw.simengine.control import ControlSignal, EngineState, apply_signal
+from llmgw.simengine.metrics import EngineMetrics
+from llmgw.simengine.publisher import KvEventPublisher
+from llmgw.simengine.sampling import SampledOutput, Sampler
+from llmgw.simengine.scheduler import BlockHasher, RequestSpec, Scheduler, StepResult
+from llmgw.simengine.tokenizer import Tokenizer
+
+__all__ = [
+    "EngineDeadError",
+    "EngineLoadingError",
+    "GenerationParams",
+    "RequestStream",
+    "SimEngine",
+]
+
+_log = get_logger(__name__)
+
+
+class EngineLoadingError(LlmgwError):
+    """The engine is still "loading weights" (--load-time-s): answer 503, as a loading vLLM would."""
+
+    code = "engine-loading"
+
+
+class EngineDeadError(LlmgwError):
+    """The step loop failed: /health answers 503 (vLLM's EngineDeadError) so the agent restarts it."""
+
+    code = "engine-dead"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int | None
+    seed: int | None = None
+    temperature: float | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class RequestStream:
+    """What a handler holds for one request: tokens appear here as steps complete."""
+
+    __slots__ = (
+        "_waiter",
+        "aborted",
+        "arrival",
+        "done",
+        "last_token_at",
+        "num_cached_tokens",
+        "num_emitted",
+        "num_prompt_tokens",
+        "output",
+        "request_id",
+        "streaming",
+    )
+
+    def __init__(
+        self, request_id: str, output: SampledOutput, num_prompt_tokens: int, arrival: float
+    ) -> None:
+        self.request_id = request_id
+        self.output = output
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival = arrival
+        self.num_emitted = 0
+        self.num_cached_tokens = 0
+        self.done = False
+        self.aborted = False
+        self.last_token_at = arrival
+        # A non-streamed response waits for the end only: waking it per token would cost a
+        # future and a task switch per token for nothing.
+        self.streaming = True
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def wait(self) -> None:
+        """Until the next step that gives this request a token, finishes or aborts it."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        await waiter
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class SimEngine:
+    def __init__(self, config: SimEngineConfig, *, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or Tokenizer()
+        self.sampler = Sampler(self.tokenizer, default_seed=config.seed)
+        self.scheduler = Scheduler(config.scheduler)
+        self.metrics = EngineMetrics(
+            config.served_model_name,
+            block_size=config.scheduler.block_size,
+            num_blocks=config.scheduler.num_blocks,
+        )
+        self.state = EngineState.RUNNING
+        self.ready = False
+        # Set when the step loop died: requests would otherwise hang forever on a live socket.
+        self.dead = False
+        self._root = none_hash(config.hash_seed)
+        self._publisher = (
+            KvEventPublisher(
+                config.kv_events, shape=config.kv_events_shape, hash_form=config.kv_events_hash
+            )
+            if config.kv_events.enabled
+            else None
+        )
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._hashers: dict[
+            tuple[str | None, str | None], tuple[BlockHasher, Callable[[int], Any] | None]
+        ] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._publisher is not None:
+            self._publisher.start()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for stream in self._streams.values():
+            stream.aborted = True
+            stream.wake()
+        if self._publisher is not None:
+            await self._publisher.close()
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, params: GenerationParams) -> RequestStream:
+        if self.dead:
+            raise EngineDeadError("the engine's step loop failed; see its log, then restart it")
+        if not self.ready:
+            raise EngineLoadingError("the engine is loading its model; retry when /health is 200")
+        cfg = self.config.scheduler
+        prompt = params.prompt_token_ids
+        room = cfg.max_model_len - len(prompt)
+        if params.max_tokens is None and room < 1:
+            raise SpecError(
+                f"the prompt has {len(prompt)} tokens, which leaves no room for output within "
+                f"max_model_len {cfg.max_model_len}; shorten the prompt",
+                field="prompt",
+            )
+        output = self.sampler.sample(
+            prompt,
+            max_tokens=params.max_tokens,
+            room=room,
+            seed=params.seed,
+            temperature=params.temperature,
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+        )
+        hasher, event_extra = self._hasher(params.lora_name, params.cache_salt)
+        request_id = str(next(self._ids))
+        self.scheduler.add_request(
+            RequestSpec(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                output_token_ids=output.token_ids,
+                hasher=hasher,
+                lora_name=params.lora_name,
+                event_extra_keys=event_extra,
+            )
+        )
+        stream = RequestStream(request_id, output, len(prompt), asyncio.get_running_loop().time())
+        self._streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Drop a request (client gone) and free its blocks; a no-op once it finished."""
+        if self._streams.pop(stream.request_id, None) is None:
+            return
+        stream.aborted = True
+        stream.wake()
+        if self.scheduler.abort(stream.request_id):
+            _log.info("request_aborted", request=stream.request_id, emitted=stream.num_emitted)
+            self.metrics.request_finished("abort")
+        self._flush_events()
+
+    def _hasher(
+        self, lora_name: str | None, cache_salt: str | None
+    ) -> tuple[BlockHasher, Callable[[int], Any] | None]:
+        key = (lora_name, cache_salt)
+        cached = self._hashers.get(key)
+        if cached is not None:
+            return cached
+        lora_path = self.config.lora_path(lora_name) if lora_name else None
+        keys = {"lora_name": lora_name, "lora_path": lora_path, "cache_salt": cache_salt}
+        fmt = self.config.kv_extra_key_format
+        first = extra_keys_for_block(0, **keys, extra_key_format=fmt)
+        rest = extra_keys_for_block(1, **keys, extra_key_format=fmt)
+        root = self._root
+
+        def hasher(parent: BlockHash | None, tokens: tuple[int, ...], index: int) -> BlockHash:
+            return hash_block(root if parent is None else parent, tokens, rest if index else first)
+
+        # Events carry extra keys untagged and without the LoRA path in every vLLM that has the
+        # field (0.17-0.30 hash that form; 0.31+ publish it): the "legacy" form, either way.
+        ev_first = extra_keys_for_block(
+            0, lora_name=lora_name, cache_salt=cache_salt, extra_key_format="legacy"
+        )
+        ev_rest = extra_keys_for_block(
+            1, lora_name=lora_name, cache_salt=cache_salt, extra_key_format="legacy"
+        )
+        event_extra: Callable[[int], Any] | None = None
+        if ev_first is not None or ev_rest is not None:
+
+            def event_extra(index: int) -> Any:
+                return ev_rest if index else ev_first
+
+        pair = (hasher, event_extra)
+        if len(self._hashers) > 1024:
+            self._hashers.clear()  # salts are per tenant; bound the memo, not the correctness
+        self._hashers[key] = pair
+        return pair
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def control(self, signal: ControlSignal) -> EngineState:
+        before = self.state
+        after = apply_signal(before, signal)
+        if signal == "suspend" and after != before:
+            self.scheduler.suspend()
+            self._flush_events()
+        self.state = after
+        self._update_gauges()
+        self._wake.set()
+        _log.info("engine_control", signal=signal, state_before=before.value, state=after.value)
+        return after
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def debug_blocks(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "block_size": self.config.scheduler.block_size,
+            "blocks": [
+                {"hash": hash64(h), "medium": "GPU"} for h in self.scheduler.cached_block_hashes()
+            ],
+            "seq": None if self._publisher is None else self._publisher.last_seq,
+            "kv_events": None
+            if self._publisher is None
+            else {
+                "endpoint": self._publisher.pub_endpoint,
+                "replay_endpoint": self._publisher.replay_endpoint,
+            },
+            "counts": self.scheduler.snapshot_counts(),
+        }
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log.exception("engine_step_failed")
+            self.dead = True
+            for stream in list(self._streams.values()):
+                stream.aborted = True
+                stream.wake()
+            self._streams.clear()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.config.load_time_s > 0:
+            await asyncio.sleep(self.config.load_time_s)
+        self.ready = True
+        _log.info("engine_ready", model=self.config.served_model_name)
+        scheduler = self.scheduler
+        timing = self.config.timing
+        started = loop.time()
+        while True:
+            if self.state is not EngineState.RUNNING or not scheduler.has_work():
+                self._update_gauges()
+                self._wake.clear()
+                await self._wake.wait()
+                started = loop.time()
+                continue
+            result = scheduler.step()
+            self._flush_events()
+            delay = (
+                started
+                + timing.step_duration_s(result.num_prefill_tokens, result.num_decode_seqs)
+                - loop.time()
+            )
+            await asyncio.sleep(delay if delay > 0 else 0)
+            # The next step's modelled time starts now, before this step's tokens are handed
+            # out: delivering (hundreds of socket writes) overlaps the next step as CPU work
+            # overlaps GPU work in a real engine. Starting the clock after delivery would make
+            # every step longer than modelled, more so the more streams are open.
+            started = loop.time()
+            self._deliver(result, started)
+
+    def _flush_events(self) -> None:
+        events = self.scheduler.take_events()
+        if events and self._publisher is not None:
+            self._publisher.publish(events)
+
+    def _deliver(self, result: StepResult, now: float) -> None:
+        streams = self._streams
+        metrics = self.metrics
+        for request_id, num_cached in result.admitted:
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.num_cached_tokens = num_cached
+        ttft = metrics.time_to_first_token.observe
+        itl = metrics.inter_token_latency.observe
+        woken: list[RequestStream] = []
+        for request_id in result.emitted:
+            stream = streams.get(request_id)
+            if stream is None:
+                continue
+            if stream.num_emitted == 0:
+                ttft(now - stream.arrival)
+            else:
+                itl(now - stream.last_token_at)
+            stream.num_emitted += 1
+            stream.last_token_at = now
+            if stream.streaming:
+                woken.append(stream)
+        for request_id in result.finished:
+            stream = streams.pop(request_id, None)
+            if stream is None:
+                continue
+            stream.done = True
+            if not stream.streaming:
+                woken.append(stream)
+            metrics.e2e_request_latency.observe(now - stream.arrival)
+            metrics.prompt_tokens.inc(stream.num_prompt_tokens)
+            metrics.request_finished(stream.output.finish_reason)
+        for stream in woken:
+            stream.wake()
+        if result.emitted:
+            metrics.generation_tokens.inc(len(result.emitted))
+        if result.prefix_queries:
+            metrics.prefix_cache_queries.inc(result.prefix_queries)
+            metrics.prefix_cache_hits.inc(result.prefix_hits)
+        if result.num_preempted:
+            metrics.num_preemptions.inc(result.num_preempted)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        scheduler = self.scheduler
+        metrics = self.metrics
+        metrics.num_requests_running.set(scheduler.num_running)
+        metrics.num_requests_waiting.set(scheduler.num_waiting + scheduler.num_paused)
+        metrics.kv_cache_usage_perc.set(scheduler.pool.usage)

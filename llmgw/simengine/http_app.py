@@ -1,0 +1,234 @@
+"""The simulator's HTTP app: FastAPI for everything but generation, which generation.py serves raw.
+
+`/health`, `/metrics`, `/version`, `/v1/models`, `/tokenize`, `/detokenize`,
+the control routes (`/pause`, `/unpause`, `/suspend`, `/resume`) and
+`/debug/kv_blocks` are ordinary FastAPI; `/v1/completions` and
+`/v1/chat/completions` are dispatched to the raw ASGI handler before FastAPI
+sees them (see generation.py for why).
+
+Auth is vLLM's: with an API key set, every `/v1` route needs
+`Authorization: Bearer <key>`; `/health`, `/metrics`, `/tokenize` and the
+control routes stay open (the agent's proxy is the security boundary, design
+§6). Errors use OpenAI's shape, with the status vLLM would use.
+
+Must NOT schedule or sample: that is engine.py and the pure core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmgw.errors import AuthError, LlmgwError, SpecError
+from llmgw.simengine.api_models import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from llmgw.simengine.chat_template import render_chat
+from llmgw.simengine.engine import SimEngine
+from llmgw.simengine.generation import (
+    ASGIApp,
+    GenerationRoutes,
+    Receive,
+    Scope,
+    Send,
+    authorized,
+    resolve_model,
+    status_of,
+    unauthorized_body,
+    validation_message,
+)
+from llmgw.simengine.openai_wire import error_body
+
+__all__ = ["build_app"]
+
+
+def build_app(engine: SimEngine) -> ASGIApp:
+    """The ASGI app: lifespan starts and stops the engine's loop and publisher."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    api = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    config = engine.config
+
+    async def require_key(request: Request) -> None:
+        if config.api_key is not None and not authorized(request.scope, config.api_key):
+            raise AuthError("missing or wrong API key")
+
+    @api.exception_handler(LlmgwError)
+    async def _llmgw_error(_: Request, exc: LlmgwError) -> Response:
+        status = status_of(exc)
+        body = (
+            unauthorized_body()
+            if status == 401
+            else error_body(exc.message, status=status, param=exc.field)
+        )
+        return Response(body, status_code=status, media_type="application/json")
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and wrong methods answer in OpenAI's shape too: clients parse one shape.
+        return Response(
+            error_body(str(exc.detail), status=exc.status_code),
+            status_code=exc.status_code,
+            media_type="application/json",
+        )
+
+    @api.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        return Response(
+            error_body(validation_message(exc), status=400),
+            status_code=400,
+            media_type="application/json",
+        )
+
+    @api.get("/health")
+    async def health() -> Response:
+        if engine.dead:
+            return Response(
+                error_body("the engine's step loop failed; restart it", status=503),
+                status_code=503,
+                media_type="application/json",
+            )
+        if not engine.ready:
+            return Response(
+                error_body("the engine is loading its model", status=503),
+                status_code=503,
+                media_type="application/json",
+            )
+        return JSONResponse({"state": engine.state.value})
+
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _llmgw_version(), "engine": "llmgw-simengine"}
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        engine._update_gauges()
+        return Response(
+            engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @api.get("/v1/models", dependencies=[Depends(require_key)])
+    async def models() -> dict[str, Any]:
+        created = int(time.time())
+        limit = config.scheduler.max_model_len
+        data: list[dict[str, Any]] = [
+            {
+                "id": config.served_model_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llmgw-simengine",
+                "root": config.model,
+                "parent": None,
+                "max_model_len": limit,
+            }
+        ]
+        for module in config.lora_modules:
+            data.append(
+                {
+                    "id": module.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "llmgw-simengine",
+                    "root": module.path,
+                    "parent": config.served_model_name,
+                    "max_model_len": limit,
+                }
+            )
+        return {"object": "list", "data": data}
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        data = await _json_body(request)
+        tokenizer = engine.tokenizer
+        if isinstance(data, dict) and "messages" in data:
+            chat = _validate(TokenizeChatRequest, data)
+            resolve_model(engine, chat.model)
+            text = render_chat(
+                chat.messages,
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tools=chat.tools,
+            )
+            tokens = tokenizer.tokenize(text, add_special_tokens=chat.add_special_tokens)
+            want_strs = chat.return_token_strs
+        else:
+            plain = _validate(TokenizeCompletionRequest, data)
+            resolve_model(engine, plain.model)
+            tokens = tokenizer.tokenize(plain.prompt, add_special_tokens=plain.add_special_tokens)
+            want_strs = plain.return_token_strs
+        return {
+            "count": len(tokens),
+            "max_model_len": config.scheduler.max_model_len,
+            "tokens": tokens,
+            "token_strs": [tokenizer.piece(t) for t in tokens] if want_strs else None,
+        }
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = _validate(DetokenizeRequest, await _json_body(request))
+        resolve_model(engine, body.model)
+        return {"prompt": engine.tokenizer.detokenize(body.tokens)}
+
+    def control_route(signal: Literal["pause", "unpause", "suspend", "resume"]) -> None:
+        async def handler() -> dict[str, Any]:
+            return {"state": engine.control(signal).value}
+
+        api.post(f"/{signal}", name=signal)(handler)
+
+    for signal in ("pause", "unpause", "suspend", "resume"):
+        control_route(signal)
+
+    @api.get("/debug/kv_blocks")
+    async def kv_blocks() -> dict[str, Any]:
+        return engine.debug_blocks()
+
+    generation = GenerationRoutes(engine)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and generation.handles(scope["path"]):
+            await generation(scope, receive, send)
+        else:
+            await api(scope, receive, send)
+
+    return app
+
+
+def _llmgw_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmgw")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise SpecError(f"request body is not JSON: {exc}") from None
+
+
+def _validate(model: Any, data: Any) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(validation_message(exc)) from None

@@ -1,0 +1,24 @@
+"""Fixtures that run `llmgw simengine` as a real process on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from simengine.sim_process import SimProcess, start_sim, stop_sim
+
+
+@pytest.fixture(scope="module")
+def sim_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., SimProcess]]:
+    started: list[SimProcess] = []
+    tmp = tmp_path_factory.mktemp("simengine")
+
+    def factory(*args: str, env: dict[str, str] | None = None) -> SimProcess:
+        sim = start_sim(tmp, *args, env=env)
+        started.append(sim)
+        return sim
+
+    yield factory
+    for sim in started:
+        stop_sim(sim)
