@@ -12,6 +12,8 @@ or the data dir), or start over a data dir another `llmgw up` holds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +74,34 @@ def _write_private(path: Path, content: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _data_dir_lock(data_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the data dir for the life of one `llmgw up`.
+
+    Checked first, before ports or Postgres: a second `llmgw up` on the same data
+    dir is told exactly that, with the holder's pid, instead of tripping over a
+    port or a server the first one owns. The kernel drops the lock when the
+    process dies, so a crash never leaves a stale lock behind.
+    """
+    path = data_dir / "up.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise ConflictError(
+                f"data dir {data_dir} is in use by another `llmgw up` (pid {holder}); stop it, "
+                "or pass another --data-dir",
+                field="--data-dir",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def load_or_create_admin_token(data_dir: Path) -> str:
     path = data_dir / _ADMIN_TOKEN_FILE
     if path.is_file():
@@ -105,6 +135,11 @@ class AllInOne:
     def run(self) -> int:
         opts = self.opts
         opts.data_dir.mkdir(parents=True, exist_ok=True)
+        with _data_dir_lock(opts.data_dir):
+            return self._run_locked()
+
+    def _run_locked(self) -> int:
+        opts = self.opts
         if not _port_free(opts.host, opts.admin_port):
             raise ConflictError(
                 f"port {opts.admin_port} on {opts.host} is in use; pick another with --admin-port "

@@ -15,10 +15,23 @@ from support.procs import free_port, llmgw_cmd, stop_process, wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
-def _start(data_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _up_args(data_dir: Path, port: int, admin_port: int) -> list[str]:
+    return llmgw_cmd(
+        "up",
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin_port),
+        "--no-demo",
+    )
+
+
+def _start(data_dir: Path, port: int, admin_port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            llmgw_cmd("up", "--data-dir", str(data_dir), "--port", str(port), "--no-demo"),
+            _up_args(data_dir, port, admin_port),
             stdout=out,
             stderr=out,
             start_new_session=True,
@@ -41,8 +54,8 @@ def _up_json(data_dir: Path, proc: subprocess.Popen[bytes], log: Path) -> dict[s
 def test_up_serves_keeps_data_across_restarts_and_refuses_a_second_run(pg_tmp_path: Path) -> None:
     data_dir = pg_tmp_path / "data"
     log = pg_tmp_path / "up.log"
-    port = free_port()
-    proc = _start(data_dir, port, log)
+    port, admin_port = free_port(), free_port()
+    proc = _start(data_dir, port, admin_port, log)
     try:
         info = _up_json(data_dir, proc, log)
         assert (data_dir / "up.json").stat().st_mode & 0o077 == 0
@@ -54,7 +67,7 @@ def test_up_serves_keeps_data_across_restarts_and_refuses_a_second_run(pg_tmp_pa
 
         # A second `llmgw up` on the same data dir is refused and harms nothing.
         second = subprocess.run(
-            llmgw_cmd("up", "--data-dir", str(data_dir), "--port", str(free_port()), "--no-demo"),
+            _up_args(data_dir, free_port(), free_port()),
             capture_output=True,
             text=True,
             timeout=60,
@@ -72,7 +85,7 @@ def test_up_serves_keeps_data_across_restarts_and_refuses_a_second_run(pg_tmp_pa
     assert status == 0, log.read_text()[-3000:]
     assert not (data_dir / "up.json").exists()
 
-    proc = _start(data_dir, port, log)
+    proc = _start(data_dir, port, admin_port, log)
     try:
         again = _up_json(data_dir, proc, log)
         assert again["admin_token"] == info["admin_token"]
