@@ -15,6 +15,7 @@ belongs to the node agent and the publisher to the simulator; they pass frames i
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -261,9 +262,20 @@ def _fail(what: str) -> KVDecodeError:
     return KVDecodeError(f"KV event payload is malformed: {what}")
 
 
+# Bounded in depth and length: msgpack nests ~1000 levels deep, past Python's recursion
+# limit, so a plain repr of a hostile value would raise RecursionError inside the error path.
+_REPR = reprlib.Repr()  # keyword arguments arrived in 3.12
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
+_REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 6, 6, 4
+
+
+def _short(value: object) -> str:
+    return _REPR.repr(value)[:60]
+
+
 def _int(value: object, where: str) -> int:
     if type(value) is not int:
-        raise _fail(f"{where} is {type(value).__name__} {value!r:.60}, expected an int")
+        raise _fail(f"{where} is {type(value).__name__} {_short(value)}, expected an int")
     return value
 
 
@@ -274,7 +286,7 @@ def _opt_int(value: object, where: str) -> int | None:
 def _opt_str(value: object, where: str) -> str | None:
     if value is None or type(value) is str:
         return value
-    raise _fail(f"{where} is {type(value).__name__} {value!r:.60}, expected a string or nil")
+    raise _fail(f"{where} is {type(value).__name__} {_short(value)}, expected a string or nil")
 
 
 def _hash(value: object, where: str, keep_bytes: bool) -> ExternalBlockHash:
@@ -285,7 +297,7 @@ def _hash(value: object, where: str, keep_bytes: bool) -> ExternalBlockHash:
         if len(value) < 8:
             raise _fail(f"{where} is a {len(value)}-byte hash, expected 8 or more")
         return value if keep_bytes else int.from_bytes(value[-8:], "big")
-    raise _fail(f"{where} is {type(value).__name__} {value!r:.60}, expected an int or bytes hash")
+    raise _fail(f"{where} is {type(value).__name__} {_short(value)}, expected an int or bytes hash")
 
 
 def _hashes(value: object, where: str, keep_bytes: bool) -> tuple[ExternalBlockHash, ...]:
@@ -307,14 +319,23 @@ def _ints(value: object, where: str) -> tuple[int, ...]:
         raise _fail(f"{where} is {type(value).__name__}, expected an array of ints")
     for v in value:
         if type(v) is not int:
-            raise _fail(f"{where} holds {type(v).__name__} {v!r:.60}, expected ints")
+            raise _fail(f"{where} holds {type(v).__name__} {_short(v)}, expected ints")
     return tuple(value)
 
 
-def _frozen(value: object) -> object:
-    # extra_keys are nested arrays; tuples keep the event frozen and hashable.
+# extra_keys nest two or three levels (a block's keys, a tagged key, an MM offset pair); a
+# deeper value is junk, and refusing it keeps recursion far from Python's limit.
+_MAX_EXTRA_DEPTH = 8
+
+
+def _frozen(value: object, depth: int = 0) -> object:
+    # Tuples (and maps as tuples of pairs) keep the event frozen and hashable.
+    if depth > _MAX_EXTRA_DEPTH:
+        raise _fail(f"BlockStored.extra_keys nests deeper than {_MAX_EXTRA_DEPTH} levels")
     if type(value) is list:
-        return tuple(_frozen(v) for v in value)
+        return tuple(_frozen(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return tuple((_frozen(k, depth + 1), _frozen(v, depth + 1)) for k, v in value.items())
     return value
 
 
@@ -366,7 +387,7 @@ _NONES = (None,) * 16
 def _decode_event(raw: object, keep_bytes: bool) -> KVEvent | None:
     if type(raw) is list:
         if not raw or type(raw[0]) is not str:
-            raise _fail(f"an array event must start with its type name, got {raw[:1]!r:.60}")
+            raise _fail(f"an array event must start with its type name, got {_short(raw[:1])}")
         tag = raw[0]
         if tag == "BlockStored":
             if len(raw) < 1 + _MIN_STORED:
@@ -382,7 +403,7 @@ def _decode_event(raw: object, keep_bytes: bool) -> KVEvent | None:
     if type(raw) is dict:
         map_tag = raw.get("type")
         if type(map_tag) is not str:
-            raise _fail(f"a map event needs a string 'type', got {map_tag!r:.60}")
+            raise _fail(f"a map event needs a string 'type', got {_short(map_tag)}")
         tag = map_tag
         if tag == "BlockStored":
             for key in ("block_hashes", "token_ids", "block_size"):
@@ -396,7 +417,7 @@ def _decode_event(raw: object, keep_bytes: bool) -> KVEvent | None:
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
         return None
-    raise _fail(f"an event is {type(raw).__name__} {raw!r:.60}, expected an array or a map")
+    raise _fail(f"an event is {type(raw).__name__} {_short(raw)}, expected an array or a map")
 
 
 def decode_batch(payload: bytes, *, hash_form: Literal["int", "raw"] = "int") -> DecodedBatch:
@@ -406,6 +427,8 @@ def decode_batch(payload: bytes, *, hash_form: Literal["int", "raw"] = "int") ->
     becomes its last 8 bytes), so mirrors and indexes see one form whatever the engine sends;
     ``"raw"`` keeps digests as bytes.
     """
+    if hash_form not in ("int", "raw"):
+        raise KVDecodeError(f"hash_form {hash_form!r} is unknown; use 'int' or 'raw'")
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise KVDecodeError(f"KV event payload is {type(payload).__name__}, expected bytes")
     try:
@@ -417,10 +440,10 @@ def decode_batch(payload: bytes, *, hash_form: Literal["int", "raw"] = "int") ->
             f"KV event payload is not valid msgpack ({type(exc).__name__}: {exc!s:.80})"
         ) from None
     if type(top) is not list or len(top) < 2:
-        raise _fail(f"a batch is an array [ts, events, dp_rank], got {top!r:.60}")
+        raise _fail(f"a batch is an array [ts, events, dp_rank], got {_short(top)}")
     ts = top[0]
     if type(ts) not in (float, int) or (type(ts) is float and not math.isfinite(ts)):
-        raise _fail(f"batch ts is {ts!r:.60}, expected a finite number")
+        raise _fail(f"batch ts is {_short(ts)}, expected a finite number")
     raw_events = top[1]
     if type(raw_events) is not list:
         raise _fail(f"batch events is {type(raw_events).__name__}, expected an array")

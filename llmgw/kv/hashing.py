@@ -364,7 +364,10 @@ def block_hashes(
     """
     key = (block_size, seed, lora_name, lora_path, cache_salt, extra_key_format)
     hasher = _HASHERS.get(key)
-    if hasher is None:
+    if hasher is not None:
+        # Least recently used goes first: a busy tenant's hasher (and its warm memo) stays.
+        _HASHERS.move_to_end(key)
+    else:
         hasher = BlockHasher(
             block_size,
             seed=seed,

@@ -63,6 +63,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's chat default: the template already carries the special tokens. Honoured here as in
+    # /tokenize, so a router that tokenizes with the same flag gets the tokens that are cached.
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -274,7 +274,7 @@ def _generation_params(
             continue_final_message=request.continue_final_message,
             tools=request.tools,
         )
-        token_ids = tokenizer.tokenize(text)
+        token_ids = tokenizer.tokenize(text, add_special_tokens=request.add_special_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise SpecError(f"max_tokens={max_tokens} must be at least 1", field="max_tokens")

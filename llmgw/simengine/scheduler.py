@@ -69,9 +69,17 @@ class SchedulerConfig:
                 f"num_blocks={self.num_blocks}: one block is reserved, so at least 2 are needed",
                 field="num_blocks",
             )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for name in ("block_size", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name}={getattr(self, name)} must be >= 1", field=name)
+        if self.max_num_batched_tokens < 2:
+            # A chunk never leaves exactly one prompt token behind; with a budget of one token
+            # every chunk of a longer prompt rounds down to zero and the request never starts.
+            raise SpecError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 2 "
+                "(a 1-token step budget can never admit a prompt of 2 or more tokens)",
+                field="max_num_batched_tokens",
+            )
 
 
 @dataclass(frozen=True, slots=True)

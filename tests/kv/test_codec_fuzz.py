@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -73,9 +74,73 @@ _batch_like = st.one_of(
 
 
 def _decode_or_own_error(payload: bytes) -> None:
-    with contextlib.suppress(KVDecodeError):
-        decode_batch(payload)
-        decode_batch(payload, hash_form="raw")
+    # Each form on its own: the first refusing must not skip the second.
+    for form in ("int", "raw"):
+        with contextlib.suppress(KVDecodeError):
+            decode_batch(payload, hash_form=form)  # type: ignore[arg-type]
+
+
+def _nested(depth: int, leaf: object = None) -> object:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        # msgpack nests ~1000 deep, past Python's recursion limit: the decoder and the
+        # repr in its own error messages must both stay bounded.
+        b"\x91" * 1000 + b"\xc0",
+        b"\x92\x01" + b"\x91" * 1000 + b"\xc0",
+        msgpack.packb(
+            [
+                1.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1],
+                        "parent_block_hash": None,
+                        "token_ids": [1] * 4,
+                        "block_size": 4,
+                        "lora_id": None,
+                        "medium": None,
+                        "lora_name": None,
+                        "extra_keys": _nested(900, 1),
+                    }
+                ],
+                0,
+            ]
+        ),
+    ],
+)
+def test_deep_nesting_is_refused_with_own_error(payload: bytes) -> None:
+    for form in ("int", "raw"):
+        with pytest.raises(KVDecodeError):
+            decode_batch(payload, hash_form=form)  # type: ignore[arg-type]
+
+
+def test_map_extra_keys_decode_to_a_hashable_event() -> None:
+    doc = [
+        1.0,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [1],
+                "parent_block_hash": None,
+                "token_ids": [1] * 4,
+                "block_size": 4,
+                "lora_id": None,
+                "medium": None,
+                "lora_name": None,
+                "extra_keys": [{"k": b"v"}],
+            }
+        ],
+        0,
+    ]
+    event = decode_batch(msgpack.packb(doc, use_bin_type=True)).events[0]
+    assert hash(event) == hash(event)
 
 
 @settings(deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])

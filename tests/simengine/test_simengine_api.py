@@ -31,7 +31,7 @@ def sim(sim_factory: Callable[..., SimProcess]) -> SimProcess:
         "--served-model-name", MODEL,
         "--lora-modules", "sql=/adapters/sql",
         "--lora-modules", "chat=/adapters/chat",
-        "--load-time-s", "0.5",
+        "--load-time-s", "1.5",
         "--max-num-batched-tokens", str(BUDGET),
         "--step-overhead-ms", str(STEP_OVERHEAD_MS),
         "--prefill-ms-per-token", str(PREFILL_MS_PER_TOKEN),

@@ -260,3 +260,11 @@ def test_events_always_describe_the_cache_exactly(
     mirror.apply(s.take_events())
     assert mirror.refs == Counter(s.cached_block_hashes())
     assert s.pool.num_free_blocks == num_blocks - 1
+
+
+def test_a_one_token_step_budget_is_refused() -> None:
+    # A chunk never leaves exactly one prompt token, so a budget of one could never start a
+    # prompt of two or more tokens: the engine would spin forever instead of failing at start.
+    with pytest.raises(SpecError, match="max_num_batched_tokens=1 must be >= 2"):
+        SchedulerConfig(max_num_batched_tokens=1)
+    assert SchedulerConfig(max_num_batched_tokens=2).max_num_batched_tokens == 2
