@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from llmgw.embedded_postgres import DataDirInUseError, EmbeddedPostgres
+from llmgw.embedded_postgres import DataDirInUseError, EmbeddedPostgres, die_with_parent
 from llmgw.errors import ConfigError, ConflictError, EngineStartError
 from llmgw.logs import get_logger
 
@@ -56,10 +56,15 @@ class UpOptions:
 
 
 def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r} does not resolve ({exc})", field="--host") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(addr)
         except OSError:
             return False
     return True
@@ -127,7 +132,8 @@ class AllInOne:
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.opts.host}:{self.opts.admin_port}"
+        host = f"[{self.opts.host}]" if ":" in self.opts.host else self.opts.host
+        return f"http://{host}:{self.opts.admin_port}"
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -140,6 +146,17 @@ class AllInOne:
 
     def _run_locked(self) -> int:
         opts = self.opts
+        if not 1 <= opts.admin_port <= 65535:
+            raise ConfigError(
+                f"admin port {opts.admin_port} is outside 1-65535 (it defaults to --port + 1); "
+                "pass --admin-port",
+                field="--admin-port",
+            )
+        stale = opts.data_dir / _UP_JSON
+        if stale.exists():
+            # We hold the lock, so whoever wrote it is gone without cleaning up.
+            log.warning("previous_run_not_stopped_cleanly", up_json=str(stale))
+            stale.unlink()
         if not _port_free(opts.host, opts.admin_port):
             raise ConflictError(
                 f"port {opts.admin_port} on {opts.host} is in use; pick another with --admin-port "
@@ -147,7 +164,7 @@ class AllInOne:
                 field="--admin-port",
             )
         token = load_or_create_admin_token(opts.data_dir)
-        self._pg = EmbeddedPostgres(opts.data_dir, progress=self._say)
+        self._pg = EmbeddedPostgres(opts.data_dir, progress=self._say, stop_with_owner=True)
         try:
             url = self._pg.start()
         except DataDirInUseError as exc:
@@ -159,12 +176,16 @@ class AllInOne:
         try:
             from llmgw.controlplane import migrations
 
-            self._say("Migrating the state store ...")
-            migrations.upgrade(url)
-            self._start_controlplane(url, token)
-            self._wait_ready()
-            self._announce(token)
-            self._supervise(url, token)
+            # Each step checks for Ctrl-C first: a stop asked for during start-up must not be
+            # answered with "llmgw is up" and an up.json pointing at a server about to stop.
+            if not self._stop.is_set():
+                self._say("Migrating the state store ...")
+                migrations.upgrade(url)
+            if not self._stop.is_set():
+                self._start_controlplane(url, token)
+            if self._wait_ready():
+                self._announce(token)
+                self._supervise(url, token)
         finally:
             self._stop_child()
             (opts.data_dir / _UP_JSON).unlink(missing_ok=True)
@@ -187,11 +208,20 @@ class AllInOne:
         if self.opts.config_path is not None:
             cmd += ["--config", str(self.opts.config_path)]
         # Own process group: a Ctrl-C in the terminal reaches us, and we stop the child in order
-        # (control plane before Postgres) instead of both dying at once mid-write.
-        self._child = subprocess.Popen(cmd, env=self._child_env(url, token), start_new_session=True)
+        # (control plane before Postgres) instead of both dying at once mid-write. Should we be
+        # killed outright, the parent-death signal stops it instead of leaving it orphaned.
+        self._child = subprocess.Popen(
+            cmd,
+            env=self._child_env(url, token),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
         log.info("child_started", child="controlplane", pid=self._child.pid)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self) -> bool:
+        """True once the control plane is ready; False if a stop was asked for first."""
+        if self._child is None:
+            return False
         deadline = time.monotonic() + _CHILD_READY_TIMEOUT_S
         while time.monotonic() < deadline and not self._stop.is_set():
             child = self._child
@@ -203,15 +233,16 @@ class AllInOne:
             try:
                 r = httpx.get(f"{self.admin_url}/readyz", timeout=2.0)
                 if r.status_code == 200:
-                    return
+                    return not self._stop.is_set()
             except httpx.HTTPError:
                 pass
             self._stop.wait(0.1)
-        if not self._stop.is_set():
-            raise EngineStartError(
-                f"the control plane was not ready within {_CHILD_READY_TIMEOUT_S:.0f}s at "
-                f"{self.admin_url}/readyz"
-            )
+        if self._stop.is_set():
+            return False
+        raise EngineStartError(
+            f"the control plane was not ready within {_CHILD_READY_TIMEOUT_S:.0f}s at "
+            f"{self.admin_url}/readyz"
+        )
 
     def _announce(self, token: str) -> None:
         info = {

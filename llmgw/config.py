@@ -40,6 +40,11 @@ __all__ = [
 ]
 
 _DB_URL_RE = re.compile(r"^postgresql(\+psycopg)?://")
+_URL_PASSWORD_RE = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def _hide_password(text: str) -> str:
+    return _URL_PASSWORD_RE.sub(r"\1***@", text)
 
 
 class _Section(BaseModel):
@@ -174,7 +179,13 @@ def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Se
         return Settings(**overrides)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path), field=_first_field(exc)) from None
-    except (ValueError, OSError) as exc:  # a TOML syntax error, an unreadable file
+    except (ValueError, OSError) as exc:
+        if path is None:  # pydantic-settings could not parse an LLMGW_* variable
+            raise ConfigError(
+                f"invalid configuration in the environment: {_hide_password(str(exc))}; a "
+                "section such as LLMGW_LOG takes JSON, a key such as LLMGW_LOG__LEVEL a plain value"
+            ) from None
+        # A TOML syntax error, an unreadable file.
         raise ConfigError(
             f"cannot read config file {str(path)!r}: {exc}", field="--config"
         ) from None
@@ -193,7 +204,13 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
         key = ".".join(str(p) for p in err["loc"])
         env = "LLMGW_" + "__".join(str(p) for p in err["loc"]).upper()
         value = err.get("input")
-        shown = "<hidden>" if "token" in key or "password" in key else repr(value)
+        if "token" in key or "password" in key:
+            shown = "<hidden>"
+        elif isinstance(value, str):
+            # A database URL carries its password: show the URL, never the secret in it.
+            shown = repr(_hide_password(value))
+        else:
+            shown = repr(value)
         if err["type"] == "extra_forbidden":
             lines.append(
                 f"  {key}: unknown setting (value {shown}); remove it or check its spelling"

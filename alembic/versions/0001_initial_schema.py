@@ -375,7 +375,7 @@ def upgrade() -> None:
             name=op.f("ck_deployments_rollout_can_progress"),
         ),
         sa.CheckConstraint(
-            "max_surge ~ '^[0-9]{1,6}%?$' AND max_unavailable ~ '^[0-9]{1,6}%?$'",
+            "max_surge ~ '^(0|[1-9][0-9]{0,5})%?$' AND max_unavailable ~ '^(0|[1-9][0-9]{0,5})%?$'",
             name=op.f("ck_deployments_rollout_budget_format"),
         ),
         sa.CheckConstraint(

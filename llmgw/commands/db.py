@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -16,6 +18,20 @@ UrlOption = Annotated[
     str | None,
     typer.Option("--database-url", help="Overrides controlplane.database_url.", show_default=False),
 ]
+
+
+@contextlib.contextmanager
+def _reachable(url: str) -> Iterator[None]:
+    """Turn "cannot connect" into one line naming the server and the likely fix."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        yield
+    except OperationalError as exc:
+        where = make_url(url).render_as_string(hide_password=True)
+        reason = str(exc.orig).splitlines()[0] if exc.orig is not None else str(exc)
+        fail(f"cannot reach the database at {where}: {reason}; is Postgres running there?")
 
 
 def _url(config: object, database_url: str | None) -> str:
@@ -42,8 +58,9 @@ def upgrade(
     from llmgw.controlplane import migrations
 
     url = _url(config, database_url)
-    migrations.upgrade(url, revision)
-    typer.echo(f"database at {migrations.current_revision(url)}")
+    with _reachable(url):
+        migrations.upgrade(url, revision)
+        typer.echo(f"database at {migrations.current_revision(url)}")
 
 
 @app.command()
@@ -53,5 +70,6 @@ def current(config: ConfigOption = None, database_url: UrlOption = None) -> None
     from llmgw.controlplane import migrations
 
     url = _url(config, database_url)
-    typer.echo(f"current: {migrations.current_revision(url) or '(empty)'}")
+    with _reachable(url):
+        typer.echo(f"current: {migrations.current_revision(url) or '(empty)'}")
     typer.echo(f"head:    {migrations.head_revision()}")

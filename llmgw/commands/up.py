@@ -12,21 +12,38 @@ from llmgw.commands._common import ConfigOption, exit_on_error
 
 __all__ = ["up"]
 
+Port = Annotated[int | None, typer.Option(min=1, max=65535, show_default=False)]
+
 
 @exit_on_error
 def up(
     data_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where Postgres, the admin token and up.json live. Default: $XDG_DATA_HOME/llmgw."
+            help="Where Postgres, the admin token and up.json live. "
+            "Default: $XDG_DATA_HOME/llmgw (/var/lib/llmgw as root).",
         ),
     ] = None,
-    port: Annotated[int, typer.Option(help="Port of the public OpenAI endpoint.")] = 8080,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Port of the public OpenAI endpoint. Default: gateway.port (8080).",
+        ),
+    ] = None,
     admin_port: Annotated[
         int | None,
-        typer.Option(help="Port of the internal admin API. Default: --port + 1."),
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Port of the internal admin API. Default: controlplane.internal_port if "
+            "configured, else --port + 1.",
+        ),
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    host: Annotated[
+        str | None, typer.Option(help="Address to listen on. Default: gateway.host (127.0.0.1).")
+    ] = None,
     no_demo: Annotated[
         bool,
         typer.Option("--no-demo", help="Do not create the demo model on the simulator engine."),
@@ -43,16 +60,23 @@ def up(
     chosen = data_dir or (
         Path(settings.up.data_dir) if settings.up.data_dir else default_data_dir()
     )
+    public_port = port if port is not None else settings.gateway.port
+    if admin_port is None:
+        # A port set in the config or environment wins over the "public + 1" convention.
+        explicit = "internal_port" in settings.controlplane.model_fields_set
+        admin_port = settings.controlplane.internal_port if explicit else public_port + 1
     opts = UpOptions(
         data_dir=chosen.expanduser().absolute(),
-        host=host,
-        port=port,
-        admin_port=admin_port if admin_port is not None else port + 1,
+        host=host if host is not None else settings.gateway.host,
+        port=public_port,
+        admin_port=admin_port,
         demo=settings.up.demo and not no_demo,
         log_level=settings.log.level,
         config_path=config,
     )
     aio = AllInOne(opts, say=lambda msg: typer.echo(msg, err=True))
-    signal.signal(signal.SIGINT, aio.request_stop)
-    signal.signal(signal.SIGTERM, aio.request_stop)
+    # SIGHUP too: a closed terminal or ssh session is a request to stop, not a reason to leave
+    # Postgres and the control plane running without their supervisor.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, aio.request_stop)
     raise typer.Exit(aio.run())

@@ -30,6 +30,7 @@ from llmgw.controlplane.schemas import (
     ProfileCreate,
     ProfileOut,
     ProfileUpdate,
+    check_rollout_budget,
 )
 from llmgw.controlplane.tables import Deployment, Model, Profile
 from llmgw.errors import AuthError, SpecError
@@ -62,7 +63,9 @@ async def _session(request: Request) -> AsyncIterator[AsyncSession]:
 
 
 Actor = Annotated[str, Depends(_require_admin)]
-Session = Annotated[AsyncSession, Depends(_session)]
+# scope="function": the transaction commits before the response is sent, so a client that
+# got 201 can read its write, and a failed commit is an error reply, never a "done".
+Session = Annotated[AsyncSession, Depends(_session, scope="function")]
 
 admin_router = APIRouter(
     prefix="/admin/v1", responses=_ERRORS, dependencies=[Depends(_require_admin)]
@@ -161,12 +164,12 @@ async def list_models(session: Session) -> list[ModelOut]:
     return [_model_out(m) for m in await queries.list_models(session)]
 
 
-@admin_router.get("/models/{name}", response_model=ModelOut, tags=["models"])
+@admin_router.get("/models/{name:path}", response_model=ModelOut, tags=["models"])
 async def get_model(name: str, session: Session) -> ModelOut:
     return _model_out(await queries.get_model(session, name))
 
 
-@admin_router.patch("/models/{name}", response_model=ModelOut, tags=["models"])
+@admin_router.patch("/models/{name:path}", response_model=ModelOut, tags=["models"])
 async def update_model(
     name: str, body: ModelUpdate, request: Request, session: Session, actor: Actor
 ) -> ModelOut:
@@ -189,7 +192,7 @@ async def update_model(
     return _model_out(model)
 
 
-@admin_router.delete("/models/{name}", status_code=204, tags=["models"])
+@admin_router.delete("/models/{name:path}", status_code=204, tags=["models"])
 async def delete_model(name: str, request: Request, session: Session, actor: Actor) -> Response:
     model = await queries.delete_model(session, name)
     await queries.record_audit(
@@ -212,7 +215,7 @@ async def delete_model(name: str, request: Request, session: Session, actor: Act
 async def create_profile(
     body: ProfileCreate, request: Request, session: Session, actor: Actor
 ) -> ProfileOut:
-    model = await queries.get_model(session, body.model)
+    model = await queries.get_model(session, body.model, field="model")
     fields = body.model_dump(exclude={"name", "model"})
     fields["adapters"] = [a.model_dump() for a in body.adapters]
     if fields["kv_hash_seed"] is None:
@@ -238,11 +241,10 @@ async def create_profile(
 
 @admin_router.get("/profiles", response_model=list[ProfileOut], tags=["profiles"])
 async def list_profiles(session: Session) -> list[ProfileOut]:
-    models = {m.id: m.name for m in await queries.list_models(session)}
-    return [_profile_out(p, models[p.model_id]) for p in await queries.list_profiles(session)]
+    return [_profile_out(p, model) for p, model in await queries.list_profiles(session)]
 
 
-@admin_router.get("/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
+@admin_router.get("/profiles/{name:path}", response_model=ProfileOut, tags=["profiles"])
 async def get_profile(name: str, session: Session) -> ProfileOut:
     profile = await queries.get_profile(session, name)
     model = await session.get(Model, profile.model_id)
@@ -257,7 +259,7 @@ _LAUNCH_FIELDS = (
 )  # fmt: skip
 
 
-@admin_router.patch("/profiles/{name}", response_model=ProfileOut, tags=["profiles"])
+@admin_router.patch("/profiles/{name:path}", response_model=ProfileOut, tags=["profiles"])
 async def update_profile(
     name: str, body: ProfileUpdate, request: Request, session: Session, actor: Actor
 ) -> ProfileOut:
@@ -286,7 +288,7 @@ async def update_profile(
     return _profile_out(profile, model.name)
 
 
-@admin_router.delete("/profiles/{name}", status_code=204, tags=["profiles"])
+@admin_router.delete("/profiles/{name:path}", status_code=204, tags=["profiles"])
 async def delete_profile(name: str, request: Request, session: Session, actor: Actor) -> Response:
     profile = await queries.delete_profile(session, name)
     await queries.record_audit(
@@ -306,7 +308,7 @@ async def delete_profile(name: str, request: Request, session: Session, actor: A
 
 
 async def _profile_of_model(session: AsyncSession, profile_name: str, model: Model) -> Profile:
-    profile = await queries.get_profile(session, profile_name)
+    profile = await queries.get_profile(session, profile_name, field="profile")
     if profile.model_id != model.id:
         raise SpecError(
             f"profile {profile_name!r} belongs to another model, not {model.name!r}; "
@@ -322,7 +324,7 @@ async def _profile_of_model(session: AsyncSession, profile_name: str, model: Mod
 async def create_deployment(
     body: DeploymentCreate, request: Request, session: Session, actor: Actor
 ) -> DeploymentOut:
-    model = await queries.get_model(session, body.model)
+    model = await queries.get_model(session, body.model, field="model")
     profile = await _profile_of_model(session, body.profile, model)
     deployment = Deployment(
         name=body.name,
@@ -356,21 +358,16 @@ async def _names(session: AsyncSession, d: Deployment) -> tuple[str, str]:
 
 @admin_router.get("/deployments", response_model=list[DeploymentOut], tags=["deployments"])
 async def list_deployments(session: Session) -> list[DeploymentOut]:
-    models = {m.id: m.name for m in await queries.list_models(session)}
-    profiles = {p.id: p.name for p in await queries.list_profiles(session)}
-    return [
-        _deployment_out(d, models[d.model_id], profiles[d.profile_id])
-        for d in await queries.list_deployments(session)
-    ]
+    return [_deployment_out(d, m, p) for d, m, p in await queries.list_deployments(session)]
 
 
-@admin_router.get("/deployments/{name}", response_model=DeploymentOut, tags=["deployments"])
+@admin_router.get("/deployments/{name:path}", response_model=DeploymentOut, tags=["deployments"])
 async def get_deployment(name: str, session: Session) -> DeploymentOut:
     d = await queries.get_deployment(session, name)
     return _deployment_out(d, *await _names(session, d))
 
 
-@admin_router.patch("/deployments/{name}", response_model=DeploymentOut, tags=["deployments"])
+@admin_router.patch("/deployments/{name:path}", response_model=DeploymentOut, tags=["deployments"])
 async def update_deployment(
     name: str, body: DeploymentUpdate, request: Request, session: Session, actor: Actor
 ) -> DeploymentOut:
@@ -382,14 +379,12 @@ async def update_deployment(
         model = await session.get(Model, d.model_id)
         assert model is not None
         changes["profile_id"] = (await _profile_of_model(session, body.profile, model)).id
-    surge = changes.get("max_surge", d.max_surge)
-    unavailable = changes.get("max_unavailable", d.max_unavailable)
-    if surge in ("0", "0%") and unavailable in ("0", "0%"):
-        raise SpecError(
-            "max_surge and max_unavailable would both be 0: a rollout could neither start a "
-            "new replica nor stop an old one; allow at least one",
-            field="max_surge",
+    try:
+        check_rollout_budget(
+            changes.get("max_surge", d.max_surge), changes.get("max_unavailable", d.max_unavailable)
         )
+    except ValueError as exc:
+        raise SpecError(str(exc), field="max_surge") from None
     if queries.apply_changes(d, changes, version=body.version, kind="deployment"):
         await session.flush()
         await session.refresh(d)
@@ -407,7 +402,7 @@ async def update_deployment(
     return _deployment_out(d, model_name, profile_name)
 
 
-@admin_router.delete("/deployments/{name}", status_code=204, tags=["deployments"])
+@admin_router.delete("/deployments/{name:path}", status_code=204, tags=["deployments"])
 async def delete_deployment(
     name: str, request: Request, session: Session, actor: Actor
 ) -> Response:

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+from sqlalchemy.orm.exc import StaleDataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.config import ControlPlaneSettings
@@ -122,6 +123,22 @@ async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
     return _error(exc.status_code, code, str(exc.detail))
 
 
+async def _on_data_error(_request: Request, exc: Exception) -> JSONResponse:
+    # SQLSTATE class 22: a value the column cannot hold that slipped past the schema's bounds.
+    detail = str(getattr(exc, "orig", exc)).splitlines()[0]
+    return _error(422, "spec-invalid", f"the database cannot store a value: {detail}")
+
+
+async def _on_stale(_request: Request, _exc: Exception) -> JSONResponse:
+    return _error(
+        409,
+        "conflict",
+        "someone else changed this object while your update was applied; GET it again, "
+        "reapply your change and retry",
+        "version",
+    )
+
+
 async def _on_db_unavailable(_request: Request, exc: Exception) -> JSONResponse:
     log.error("database_error", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _error(503, "database-unavailable", "the state store is unreachable; retry shortly")
@@ -164,6 +181,9 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.add_exception_handler(LlmgwError, _on_llmgw_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(IntegrityError, _on_integrity_error)
+    app.add_exception_handler(DataError, _on_data_error)
+    app.add_exception_handler(StaleDataError, _on_stale)
+    # What is left of DBAPIError (OperationalError, InterfaceError): Postgres is unreachable.
     app.add_exception_handler(DBAPIError, _on_db_unavailable)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 

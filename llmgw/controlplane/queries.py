@@ -44,7 +44,13 @@ _Row = TypeVar("_Row", Model, Profile, Deployment)
 
 
 async def _one_by_name(
-    session: AsyncSession, cls: type[_Row], kind: str, name: str, *, lock: bool = False
+    session: AsyncSession,
+    cls: type[_Row],
+    kind: str,
+    name: str,
+    *,
+    lock: bool = False,
+    field: str = "name",
 ) -> _Row:
     stmt = select(cls).where(cls.name == name)
     if lock:
@@ -52,33 +58,54 @@ async def _one_by_name(
     row = (await session.execute(stmt)).scalar_one_or_none()
     if row is None:
         raise NotFoundError(
-            f"{kind} {name!r} does not exist; list them with GET /admin/v1/{kind}s", field="name"
+            f"{kind} {name!r} does not exist; list them with GET /admin/v1/{kind}s", field=field
         )
     return row
 
 
-async def get_model(session: AsyncSession, name: str, *, lock: bool = False) -> Model:
-    return await _one_by_name(session, Model, "model", name, lock=lock)
+async def get_model(
+    session: AsyncSession, name: str, *, lock: bool = False, field: str = "name"
+) -> Model:
+    """The model named ``name``; ``field`` is what a NotFoundError blames (the referring field)."""
+    return await _one_by_name(session, Model, "model", name, lock=lock, field=field)
 
 
-async def get_profile(session: AsyncSession, name: str, *, lock: bool = False) -> Profile:
-    return await _one_by_name(session, Profile, "profile", name, lock=lock)
+async def get_profile(
+    session: AsyncSession, name: str, *, lock: bool = False, field: str = "name"
+) -> Profile:
+    """The profile named ``name``; ``field`` is what a NotFoundError blames (the referring field)."""
+    return await _one_by_name(session, Profile, "profile", name, lock=lock, field=field)
 
 
-async def get_deployment(session: AsyncSession, name: str, *, lock: bool = False) -> Deployment:
-    return await _one_by_name(session, Deployment, "deployment", name, lock=lock)
+async def get_deployment(
+    session: AsyncSession, name: str, *, lock: bool = False, field: str = "name"
+) -> Deployment:
+    """The deployment named ``name``; ``field`` is what a NotFoundError blames (the referring field)."""
+    return await _one_by_name(session, Deployment, "deployment", name, lock=lock, field=field)
 
 
 async def list_models(session: AsyncSession) -> Sequence[Model]:
     return (await session.execute(select(Model).order_by(Model.name))).scalars().all()
 
 
-async def list_profiles(session: AsyncSession) -> Sequence[Profile]:
-    return (await session.execute(select(Profile).order_by(Profile.name))).scalars().all()
+async def list_profiles(session: AsyncSession) -> list[tuple[Profile, str]]:
+    """Every profile with its model's name, in one statement (one snapshot: no row can
+    appear between reading profiles and reading the names they refer to)."""
+    stmt = (
+        select(Profile, Model.name).join(Model, Profile.model_id == Model.id).order_by(Profile.name)
+    )
+    return [(p, m) for p, m in (await session.execute(stmt)).all()]
 
 
-async def list_deployments(session: AsyncSession) -> Sequence[Deployment]:
-    return (await session.execute(select(Deployment).order_by(Deployment.name))).scalars().all()
+async def list_deployments(session: AsyncSession) -> list[tuple[Deployment, str, str]]:
+    """Every deployment with its model's and profile's names, in one statement."""
+    stmt = (
+        select(Deployment, Model.name, Profile.name)
+        .join(Model, Deployment.model_id == Model.id)
+        .join(Profile, Deployment.profile_id == Profile.id)
+        .order_by(Deployment.name)
+    )
+    return [(d, m, p) for d, m, p in (await session.execute(stmt)).all()]
 
 
 async def cluster_kv_hash_seed(session: AsyncSession) -> str:
@@ -104,7 +131,7 @@ def apply_changes(row: _Row, changes: Mapping[str, Any], *, version: int, kind: 
         )
     for k, v in differs.items():
         setattr(row, k, v)
-    row.version = row.version + 1
+    # `version` is the mapper's version_id_col: the UPDATE bumps it and checks the old value.
     row.updated_at = func.now()
     return True
 
@@ -116,7 +143,7 @@ async def _refuse_if_referenced(
     if names:
         listed = ", ".join(repr(n) for n in names[:10])
         more = f" and {len(names) - 10} more" if len(names) > 10 else ""
-        raise ConflictError(f"{what} is in use by {by} {listed}{more}; {fix}")
+        raise ConflictError(f"{what} is in use by {by} {listed}{more}; {fix}", field="name")
 
 
 async def delete_model(session: AsyncSession, name: str) -> Model:

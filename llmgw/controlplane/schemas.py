@@ -12,7 +12,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from llmgw.controlplane.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
 
@@ -29,6 +36,7 @@ __all__ = [
     "ProfileCreate",
     "ProfileOut",
     "ProfileUpdate",
+    "check_rollout_budget",
 ]
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
@@ -37,8 +45,32 @@ EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 Engine = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 
 
+_INT32_MAX = 2**31 - 1
+# Parallelism beyond this is a typo, not a cluster; it also keeps every count inside Postgres'
+# 32-bit integer columns, so a huge number is a 422 naming the field, not a database error.
+_MAX_PARALLEL = 65_536
+
+
+def _no_nul(value: object) -> object:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError("must not contain a NUL character (Postgres cannot store it)")
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _no_nul(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_nul(k)
+            _no_nul(v)
+    elif isinstance(value, BaseModel):
+        _no_nul(value.model_dump())
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+    _strings_storable = field_validator("*")(_no_nul)
 
 
 class _Response(BaseModel):
@@ -66,7 +98,9 @@ class ModelCreate(_Request):
 
 
 class ModelUpdate(_Request):
-    version: int = Field(ge=1, description="The version you read; a stale one gets 409.")
+    version: int = Field(
+        ge=1, le=_INT32_MAX, description="The version you read; a stale one gets 409."
+    )
     description: str | None = None
 
 
@@ -86,19 +120,15 @@ class AdapterBody(_Request):
     path: Annotated[str, StringConstraints(min_length=1)]
 
 
-def _check_args(v: list[str] | None) -> list[str] | None:
-    if v is not None and any("\x00" in a for a in v):
-        raise ValueError("an argument may not contain a NUL byte")
-    return v
-
-
 class _ProfileFields(_Request):
     engine: Engine
     gpu_class: str = ""
-    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree.")
-    pp: int = Field(default=1, ge=1, description="Pipeline-parallel degree.")
-    gpus_per_node: int = Field(default=0, ge=0, description="0: tp x pp on one node.")
-    nodes: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Tensor-parallel degree.")
+    pp: int = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Pipeline-parallel degree.")
+    gpus_per_node: int = Field(
+        default=0, ge=0, le=_MAX_PARALLEL, description="0: tp x pp on one node."
+    )
+    nodes: int = Field(default=1, ge=1, le=_MAX_PARALLEL)
     model_path: Annotated[str, StringConstraints(min_length=1)]
     served_model_name: str = Field(default="", description="Empty: the model's name.")
     args: list[str] = Field(
@@ -107,14 +137,17 @@ class _ProfileFields(_Request):
     env: dict[EnvName, str] = Field(default_factory=dict)
     secret_env: dict[EnvName, str] = Field(
         default_factory=dict,
-        description="Variable -> secret reference. Write-only: never returned, never logged, "
-        "not part of the fingerprint.",
+        description="Variable -> secret reference. Write-only: never returned, never logged. "
+        "The fingerprint counts the variable names (adding one changes the process), never "
+        "the references.",
     )
     adapters: list[AdapterBody] = Field(
         default_factory=list, description="LoRA adapters, in order."
     )
     kv_events: bool = False
-    threads: int = Field(default=0, ge=0, description="CPU threads of a CPU-only shard.")
+    threads: int = Field(
+        default=0, ge=0, le=_MAX_PARALLEL, description="CPU threads of a CPU-only shard."
+    )
     kv_hash_seed: str | None = Field(
         default=None,
         description="PYTHONHASHSEED of the engines; None: the cluster's random seed. Never '0'.",
@@ -123,8 +156,6 @@ class _ProfileFields(_Request):
     kv_hash_algo: Literal["sha256_cbor"] = "sha256_cbor"
     kv_extra_key_format: Literal["tagged", "legacy"] = "tagged"
     description: str = ""
-
-    _args_ok = field_validator("args")(_check_args)
 
     @field_validator("kv_hash_seed")
     @classmethod
@@ -143,13 +174,15 @@ class ProfileCreate(_ProfileFields):
 
 
 class ProfileUpdate(_Request):
-    version: int = Field(ge=1, description="The version you read; a stale one gets 409.")
+    version: int = Field(
+        ge=1, le=_INT32_MAX, description="The version you read; a stale one gets 409."
+    )
     engine: Engine | None = None
     gpu_class: str | None = None
-    tp: int | None = Field(default=None, ge=1)
-    pp: int | None = Field(default=None, ge=1)
-    gpus_per_node: int | None = Field(default=None, ge=0)
-    nodes: int | None = Field(default=None, ge=1)
+    tp: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
+    pp: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
+    gpus_per_node: int | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
+    nodes: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
     model_path: Annotated[str, StringConstraints(min_length=1)] | None = None
     served_model_name: str | None = None
     args: list[str] | None = None
@@ -157,14 +190,13 @@ class ProfileUpdate(_Request):
     secret_env: dict[EnvName, str] | None = None
     adapters: list[AdapterBody] | None = None
     kv_events: bool | None = None
-    threads: int | None = Field(default=None, ge=0)
+    threads: int | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
     kv_hash_seed: str | None = None
     kv_block_size: int | None = Field(default=None, ge=1, le=4096)
     kv_hash_algo: Literal["sha256_cbor"] | None = None
     kv_extra_key_format: Literal["tagged", "legacy"] | None = None
     description: str | None = None
 
-    _args_ok = field_validator("args")(_check_args)
     _seed_ok = field_validator("kv_hash_seed")(_ProfileFields._seed_ok.__func__)  # type: ignore[attr-defined]
 
 
@@ -199,7 +231,7 @@ class ProfileOut(_Response):
 # --- deployments ------------------------------------------------------------
 
 
-def _check_budget_pair(surge: str | None, unavailable: str | None) -> None:
+def check_rollout_budget(surge: str | None, unavailable: str | None) -> None:
     zero = ("0", "0%")
     if surge in zero and unavailable in zero:
         raise ValueError(
@@ -218,21 +250,26 @@ class DeploymentCreate(_Request):
     max_unavailable: RolloutBudget = Field(
         default="0", description='A count ("0") or a share ("25%").'
     )
-    progress_deadline_s: int = Field(default=600, gt=0)
+    progress_deadline_s: int = Field(default=600, gt=0, le=_INT32_MAX)
     state: Literal["active", "suspended"] = "active"
 
-    def model_post_init(self, _ctx: object) -> None:
-        _check_budget_pair(self.max_surge, self.max_unavailable)
+    @field_validator("max_unavailable")
+    @classmethod
+    def _can_progress(cls, v: str, info: ValidationInfo) -> str:
+        check_rollout_budget(info.data.get("max_surge"), v)
+        return v
 
 
 class DeploymentUpdate(_Request):
-    version: int = Field(ge=1, description="The version you read; a stale one gets 409.")
+    version: int = Field(
+        ge=1, le=_INT32_MAX, description="The version you read; a stale one gets 409."
+    )
     profile: Name | None = None
     pool: Name | None = None
     replicas: int | None = Field(default=None, ge=0, le=10_000)
     max_surge: RolloutBudget | None = None
     max_unavailable: RolloutBudget | None = None
-    progress_deadline_s: int | None = Field(default=None, gt=0)
+    progress_deadline_s: int | None = Field(default=None, gt=0, le=_INT32_MAX)
     state: Literal["active", "suspended"] | None = None
 
 

@@ -33,7 +33,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column, relationship
 
 __all__ = [
     "ApiKey",
@@ -77,7 +77,8 @@ NODE_APPROVAL_STATES = ("pending", "approved")
 # A name is what clients type in "model": keep it to characters that survive
 # URLs, shells and Prometheus labels unescaped.
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
-ROLLOUT_BUDGET_PATTERN = "^[0-9]{1,6}%?$"
+# No leading zeros, so "0" and "0%" are the only spellings of zero (the 0/0 CHECK relies on it).
+ROLLOUT_BUDGET_PATTERN = "^(0|[1-9][0-9]{0,5})%?$"
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -110,6 +111,12 @@ class _Versioned:
     version: Mapped[int] = mapped_column(Integer, server_default=text("1"))
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    # The ORM bumps `version` on every UPDATE and adds `WHERE version = <read>`: even a writer
+    # that skipped the row lock cannot overwrite a newer version (StaleDataError -> 409).
+    @declared_attr.directive
+    def __mapper_args__(cls) -> dict[str, Any]:
+        return {"version_id_col": cls.__table__.c.version}  # type: ignore[attr-defined]
 
 
 class ClusterInfo(Base):

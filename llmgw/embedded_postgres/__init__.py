@@ -39,6 +39,7 @@ from llmgw.embedded_postgres._databases import (
     url_with_database,
 )
 from llmgw.embedded_postgres._errors import DataDirInUseError, PostgresStartError
+from llmgw.embedded_postgres._process import die_with_parent
 from llmgw.embedded_postgres._server import SUPERUSER, EmbeddedPostgres
 from llmgw.embedded_postgres._throwaway import throwaway_parent
 
@@ -48,6 +49,7 @@ __all__ = [
     "EmbeddedPostgres",
     "PostgresStartError",
     "create_database",
+    "die_with_parent",
     "drop_database",
     "find_bin_dir",
     "libpq_url",

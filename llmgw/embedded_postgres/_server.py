@@ -83,6 +83,7 @@ class EmbeddedPostgres:
         progress: Callable[[str], None] | None = None,
         start_timeout_s: float = 60.0,
         stop_timeout_s: float = 30.0,
+        stop_with_owner: bool | None = None,
     ) -> None:
         if data_dir is None and not throwaway:
             raise ConfigError(
@@ -94,6 +95,10 @@ class EmbeddedPostgres:
         self._owns_data_dir = data_dir is None
         self._port_wanted = port
         self._throwaway = throwaway
+        # Fast shutdown when the thread that called start() dies (Linux parent-death signal).
+        # Default on for throwaway servers; `llmgw up` asks for it too, starting from its main
+        # thread. Off otherwise: a server started from a short-lived thread would stop with it.
+        self._stop_with_owner = throwaway if stop_with_owner is None else stop_with_owner
         self._bin_dir = bin_dir
         self._progress = progress
         self._start_timeout_s = start_timeout_s
@@ -394,8 +399,9 @@ class EmbeddedPostgres:
             # Its own session: a Ctrl-C at the terminal goes to `llmgw up`, which stops the
             # control plane first and the database last, instead of the database dying first.
             start_new_session=True,
-            # A throwaway server must not outlive a test run killed with SIGKILL.
-            preexec_fn=die_with_parent if self._throwaway else None,
+            # The server must not outlive its owner: a test run or `llmgw up` killed with
+            # SIGKILL (or a closed terminal) still gets a fast, clean shutdown (SIGINT).
+            preexec_fn=die_with_parent if self._stop_with_owner else None,
             **as_owner(owner),
         )
 

@@ -174,6 +174,9 @@ def test_bad_profiles_and_deployments_store_nothing(
     base = {"model": model, "engine": "sim", "model_path": "/m"}
     cases = [
         ({**base, "name": _name("p"), "tp": 0}, "tp"),
+        ({**base, "name": _name("p"), "tp": 3_000_000_000}, "tp"),
+        ({**base, "name": _name("p"), "description": "a\x00b"}, "description"),
+        ({**base, "name": _name("p"), "args": ["--x", "a\x00"]}, "args"),
         ({**base, "name": _name("p"), "engine": "nope"}, None),
         ({**base, "name": _name("p"), "kv_hash_seed": "0"}, "kv_hash_seed"),
         ({**base, "name": _name("p"), "env": {"LD_PRELOAD": "/evil.so"}}, None),
@@ -186,29 +189,26 @@ def test_bad_profiles_and_deployments_store_nothing(
         if field is not None:
             assert err["field"] == field, err
         assert err["message"]
-    assert "have" in client.post("/admin/v1/profiles", json=cases[1][0]).json()["error"]["message"]
+    unknown = client.post("/admin/v1/profiles", json={**base, "name": _name("p"), "engine": "nope"})
+    assert (
+        "have llamacpp, megatron, sglang, sim, trtllm, vllm" in unknown.json()["error"]["message"]
+    )
     assert _count(controlplane.db_url, "profiles") == profiles
 
     p = _profile(client, model)
     deployments = _count(controlplane.db_url, "deployments")
-    for body, field in [
-        ({"name": _name("d"), "model": model, "profile": p["name"], "replicas": -1}, "replicas"),
-        (
-            {
-                "name": _name("d"),
-                "model": model,
-                "profile": p["name"],
-                "max_surge": "0",
-                "max_unavailable": "0%",
-            },
-            None,
-        ),
-        ({"name": _name("d"), "model": model, "profile": "no-such-profile"}, "name"),
+    base = {"model": model, "profile": p["name"]}
+    for extra, status, field in [
+        ({"replicas": -1}, 422, "replicas"),
+        ({"max_surge": "0", "max_unavailable": "0%"}, 422, "max_unavailable"),
+        ({"max_surge": "00", "max_unavailable": "0"}, 422, "max_surge"),
+        ({"progress_deadline_s": 3_000_000_000}, 422, "progress_deadline_s"),
+        ({"profile": "no-such-profile"}, 404, "profile"),
+        ({"model": "no-such-model"}, 404, "model"),
     ]:
-        r = client.post("/admin/v1/deployments", json=body)
-        assert r.status_code in (404, 422), r.text
-        if field is not None:
-            assert r.json()["error"]["field"] == field
+        r = client.post("/admin/v1/deployments", json={**base, "name": _name("d"), **extra})
+        assert r.status_code == status, (extra, r.text)
+        assert r.json()["error"]["field"] == field, (extra, r.text)
     assert _count(controlplane.db_url, "deployments") == deployments
 
 
@@ -248,21 +248,61 @@ async def test_concurrent_updates_one_wins_other_409(controlplane: Any) -> None:
         model = _model(c)
         dep = _deployment(c, model, _profile(c, model)["name"])
     path = f"/admin/v1/deployments/{dep['name']}"
-    # Two clients, two TCP connections, two transactions racing on one row.
-    async with (
-        httpx.AsyncClient(base_url=controlplane.url, headers=controlplane.headers) as a,
-        httpx.AsyncClient(base_url=controlplane.url, headers=controlplane.headers) as b,
-    ):
-        ra, rb = await asyncio.gather(
-            a.patch(path, json={"version": 1, "replicas": 7}),
-            b.patch(path, json={"version": 1, "replicas": 9}),
-        )
-        statuses = sorted([ra.status_code, rb.status_code])
-        assert statuses == [200, 409], (ra.text, rb.text)
-        winner = ra if ra.status_code == 200 else rb
-        final = (await a.get(path)).json()
+    # A third connection holds the row, so both updates are in flight at the same time and
+    # queue on it; released, they race for real. Without the row lock and the version check
+    # both would succeed and one replica count would be silently lost.
+    with psycopg.connect(libpq(controlplane.db_url)) as holder:
+        holder.execute("SELECT 1 FROM deployments WHERE name = %s FOR UPDATE", (dep["name"],))
+        async with (
+            httpx.AsyncClient(base_url=controlplane.url, headers=controlplane.headers) as a,
+            httpx.AsyncClient(base_url=controlplane.url, headers=controlplane.headers) as b,
+        ):
+            both = asyncio.gather(
+                a.patch(path, json={"version": 1, "replicas": 7}),
+                b.patch(path, json={"version": 1, "replicas": 9}),
+            )
+
+            def waiting() -> bool:
+                with psycopg.connect(libpq(controlplane.db_url), autocommit=True) as probe:
+                    row = probe.execute(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                    ).fetchone()
+                return row is not None and row[0] >= 2
+
+            await asyncio.to_thread(
+                wait_for, waiting, timeout_s=20, what="both updates to wait on the row lock"
+            )
+            holder.commit()
+            ra, rb = await both
+            statuses = sorted([ra.status_code, rb.status_code])
+            assert statuses == [200, 409], (ra.text, rb.text)
+            loser = ra if ra.status_code == 409 else rb
+            assert loser.json()["error"]["field"] == "version"
+            winner = ra if ra.status_code == 200 else rb
+            final = (await a.get(path)).json()
     assert final["replicas"] == winner.json()["replicas"]
     assert final["version"] == 2
+
+
+def test_names_with_slashes_round_trip(client: httpx.Client) -> None:
+    # Hugging Face style names are what clients put in "model".
+    name = f"meta-llama/Llama-3-8B-{secrets.token_hex(2)}"
+    assert client.post("/admin/v1/models", json={"name": name}).status_code == 201
+    assert client.get(f"/admin/v1/models/{name}").json()["name"] == name
+    r = client.patch(f"/admin/v1/models/{name}", json={"version": 1, "description": "x"})
+    assert r.status_code == 200 and r.json()["version"] == 2
+    assert client.delete(f"/admin/v1/models/{name}").status_code == 204
+    assert client.get(f"/admin/v1/models/{name}").status_code == 404
+
+
+def test_a_write_is_committed_before_its_reply(client: httpx.Client, controlplane: Any) -> None:
+    name = _name("m")
+    assert client.post("/admin/v1/models", json={"name": name}).status_code == 201
+    # Read over a separate connection straight after the reply: the row must already be there.
+    with psycopg.connect(libpq(controlplane.db_url)) as conn:
+        row = conn.execute("SELECT name FROM models WHERE name = %s", (name,)).fetchone()
+    assert row == (name,)
 
 
 def test_deleting_a_deployment_marks_its_shards_for_stop(

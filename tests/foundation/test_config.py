@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.procs import llmgw_cmd
+from support.procs import free_port, llmgw_cmd
 
 from llmgw.config import load_settings
 from llmgw.errors import ConfigError
@@ -60,7 +60,8 @@ def test_invalid_values_name_key_value_and_rule(
         load_settings(cfg)
     for needle in needles:
         assert needle in err.value.message
-    assert "short" not in err.value.message or "<hidden>" in err.value.message
+    # Secrets never appear in the message, whatever else it says.
+    assert "'short'" not in err.value.message
 
 
 def test_missing_config_file_is_named() -> None:
@@ -82,3 +83,23 @@ def test_controlplane_refuses_to_start_without_a_database_or_token(tmp_path: Pat
         llmgw_cmd("controlplane", "--config", str(cfg)), capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "controlplane.internal_port" in done.stderr
+
+
+def test_db_commands_report_an_unreachable_database_without_a_trace() -> None:
+    url = f"postgresql://someone:hunter2hunter2@127.0.0.1:{free_port()}/nowhere"
+    for cmd in (["db", "current"], ["db", "upgrade"]):
+        done = subprocess.run(
+            llmgw_cmd(*cmd, "--database-url", url), capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2, done.stderr
+        assert "cannot reach the database at" in done.stderr and "Traceback" not in done.stderr
+        assert "hunter2hunter2" not in done.stderr
+
+
+def test_database_passwords_are_not_echoed_in_config_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LLMGW_CONTROLPLANE__DATABASE_URL", "mysql://u:S3CRETPW@h/db")
+    with pytest.raises(ConfigError) as err:
+        load_settings()
+    assert "S3CRETPW" not in err.value.message and "mysql://u:***@h/db" in err.value.message
