@@ -35,6 +35,8 @@ from llmgw.kv.hashing import BlockHash
 __all__ = ["BlockPool"]
 
 _MEDIUM = "GPU"
+# vLLM (>= 0.20) numbers KV cache groups; a single-group model's events all carry 0.
+_GROUP_IDX = 0
 
 
 @dataclass(slots=True)
@@ -117,7 +119,9 @@ class BlockPool:
         if not holders:
             del self._cached[block_hash]
         block.block_hash = None
-        self._events.append(BlockRemoved(block_hashes=(block_hash,), medium=_MEDIUM))
+        self._events.append(
+            BlockRemoved(block_hashes=(block_hash,), medium=_MEDIUM, group_idx=_GROUP_IDX)
+        )
 
     def cache_full_blocks(
         self,
@@ -128,6 +132,7 @@ class BlockPool:
         token_ids: Sequence[int],
         lora_name: str | None,
         extra_keys: Sequence[Any] | None,
+        lora_id: int | None = None,
     ) -> None:
         """Give newly full blocks their hashes and queue one BlockStored covering all of them."""
         for block_id, block_hash in zip(block_ids, hashes, strict=True):
@@ -140,9 +145,11 @@ class BlockPool:
                 parent_block_hash=parent,
                 token_ids=tuple(token_ids),
                 block_size=self.block_size,
+                lora_id=lora_id,
                 lora_name=lora_name,
                 medium=_MEDIUM,
                 extra_keys=tuple(extra_keys) if extra_keys is not None else None,
+                group_idx=_GROUP_IDX,
             )
         )
 

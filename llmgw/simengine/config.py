@@ -141,6 +141,13 @@ class SimEngineConfig:
         if self.load_time_s < 0:
             raise ConfigError(f"--load-time-s {self.load_time_s} is negative", field="load_time_s")
 
+    def lora_id(self, name: str) -> int | None:
+        """vLLM's integer id for an adapter: its place in --lora-modules, counting from 1."""
+        for i, module in enumerate(self.lora_modules, start=1):
+            if module.name == name:
+                return i
+        return None
+
     def lora_path(self, name: str) -> str | None:
         for module in self.lora_modules:
             if module.name == name:

@@ -200,6 +200,7 @@ class SimEngine:
                 output_token_ids=output.token_ids,
                 hasher=hasher,
                 lora_name=params.lora_name,
+                lora_id=self.config.lora_id(params.lora_name) if params.lora_name else None,
                 event_extra_keys=event_extra,
             )
         )
@@ -244,11 +245,10 @@ class SimEngine:
         ev_rest = extra_keys_for_block(
             1, lora_name=lora_name, cache_salt=cache_salt, extra_key_format="legacy"
         )
-        event_extra: Callable[[int], Any] | None = None
-        if ev_first is not None or ev_rest is not None:
 
-            def event_extra(index: int) -> Any:
-                return ev_rest if index else ev_first
+        # vLLM (0.33 checked) publishes one entry per block even when every entry is None.
+        def event_extra(index: int) -> Any:
+            return ev_rest if index else ev_first
 
         pair = (hasher, event_extra)
         if len(self._hashers) > 1024:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ import zmq.asyncio
 
 from llmgw.kv.codec import HashForm, Shape, encode_batch
 from llmgw.kv.errors import KVDecodeError
-from llmgw.kv.events import EventBatch, KVEvent
+from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from llmgw.kv.frames import (
     decode_replay_request,
     encode_message,
@@ -104,6 +105,9 @@ class KvEventPublisher:
 
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Send one step's events as one batch (callers skip steps without events, as vLLM does)."""
+        if self._shape == "array":
+            # The positional layouts we emit (vLLM <= 0.19) end before group_idx (0.20).
+            events = [_without_group(e) for e in events]
         batch = EventBatch(ts=time.time(), events=tuple(events), data_parallel_rank=0)
         payload = encode_batch(batch, shape=self._shape, hash_form=self._hash_form)
         seq = self._next_seq
@@ -143,3 +147,9 @@ class KvEventPublisher:
         self._pub.close(linger=0)
         self._actx.term()
         self._ctx.term()
+
+
+def _without_group(event: KVEvent) -> KVEvent:
+    if isinstance(event, BlockStored | BlockRemoved) and event.group_idx is not None:
+        return dataclasses.replace(event, group_idx=None)
+    return event

@@ -91,6 +91,8 @@ class RequestSpec:
     output_token_ids: tuple[int, ...]
     hasher: BlockHasher
     lora_name: str | None = None
+    # vLLM's integer id of the adapter (1 for the first --lora-modules entry), carried in events.
+    lora_id: int | None = None
     # block index -> the extra_keys entry BlockStored carries for it; None = the field is omitted.
     event_extra_keys: Callable[[int], Any] | None = None
 
@@ -432,6 +434,7 @@ class Scheduler:
             parent=request.block_hashes[stored - 1] if stored else None,
             token_ids=request.all_token_ids[stored * block_size : full * block_size],
             lora_name=request.spec.lora_name,
+            lora_id=request.spec.lora_id,
             extra_keys=None if extra is None else [extra(i) for i in range(stored, full)],
         )
         request.num_stored_blocks = full

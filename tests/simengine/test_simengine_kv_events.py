@@ -237,6 +237,7 @@ def test_tokenize_and_block_hashes_reproduce_the_published_hashes(
         )
         assert stored[0].block_hashes == tuple(hash64(h) for h in expected)
         assert stored[0].parent_block_hash is None and stored[0].lora_name == "sql"
+        assert stored[0].lora_id == 1  # vLLM numbers --lora-modules from 1
         assert stored[0].token_ids == tuple(tokens[: len(expected) * BLOCK_SIZE])
         # Events carry extra keys untagged (LoRA name, salt on block 0), as vLLM publishes them.
         assert stored[0].extra_keys == (("sql", "tenant-a"), *[("sql",)] * (len(expected) - 1))
@@ -253,7 +254,10 @@ def test_tokenize_and_block_hashes_reproduce_the_published_hashes(
         stored = [e for e in subscriber.events[seen:] if isinstance(e, BlockStored)]
         expected_chat = block_hashes(chat_tokens, BLOCK_SIZE, seed=HASH_SEED)
         assert stored[0].block_hashes == tuple(hash64(h) for h in expected_chat)
-        assert stored[0].extra_keys is None
+        # As vLLM 0.33 publishes a plain request: one extra_keys entry per block, all None,
+        # and the single KV cache group's index.
+        assert stored[0].extra_keys == (None,) * len(stored[0].block_hashes)
+        assert stored[0].group_idx == 0 and stored[0].lora_id is None
     subscriber.assert_matches(sim)
 
 
