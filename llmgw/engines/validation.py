@@ -226,9 +226,10 @@ def _check_kv_events(profile: Profile, traits: EngineTraits) -> None:
         )
     seed = profile.kv_hash.seed
     if seed in ("", "0"):
-        # Empty: every process picks its own root hash, so no two replicas (and
-        # no replica and the router) agree on any block. "0" also switches off
-        # Python's string-hash randomization in the engine.
+        # Empty: vLLM 0.10.2-0.28 (and xxhash in every version) pick a random root
+        # hash per process, so no two replicas (nor a replica and the router) agree
+        # on any block; 0.29+ fall back to one public default seed for every cluster.
+        # "0" also switches off Python's string-hash randomization in the engine.
         raise _fail(
             profile,
             f"kv_events needs kv_hash.seed, a random string shared by the cluster; got "

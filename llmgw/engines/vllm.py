@@ -134,8 +134,9 @@ class VLLM(Engine):
         if spec.api_key:
             extra["VLLM_API_KEY"] = spec.api_key
         if p.kv_events:
-            # Seeds NONE_HASH, the root of every block-hash chain. Unset, each
-            # process picks its own and no replica matches the router.
+            # Seeds NONE_HASH, the root of every block-hash chain. Unset, vLLM
+            # <= 0.28 picks a random root per process (no replica would match the
+            # router) and 0.29+ a fixed public default: set it explicitly either way.
             extra["PYTHONHASHSEED"] = p.kv_hash.seed
         if spec.nnodes > 1:
             # Without it Ray and vLLM may pick different NICs on a multi-NIC
