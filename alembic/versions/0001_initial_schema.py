@@ -103,7 +103,7 @@ def upgrade() -> None:
         sa.Column(
             "kv_hash_seed",
             sa.Text(),
-            server_default=sa.text("replace(gen_random_uuid()::text, '-', '')"),
+            server_default=sa.text("(floor(random() * 4294967295) + 1)::bigint::text"),
             nullable=False,
         ),
         sa.Column(
@@ -283,7 +283,9 @@ def upgrade() -> None:
             "kv_hash_algo = 'sha256_cbor'", name=op.f("ck_profiles_kv_hash_algo_known")
         ),
         sa.CheckConstraint(
-            "kv_hash_seed <> '' AND kv_hash_seed <> '0'", name=op.f("ck_profiles_kv_hash_seed_set")
+            "CASE WHEN kv_hash_seed ~ '^[1-9][0-9]{0,9}$' "
+            "THEN kv_hash_seed::bigint <= 4294967295 ELSE false END",
+            name=op.f("ck_profiles_kv_hash_seed_valid"),
         ),
         sa.CheckConstraint("model_path <> ''", name=op.f("ck_profiles_model_path_set")),
         sa.CheckConstraint(

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from llmgw.controlplane.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
+from llmgw.engines import MAX_HASH_SEED, is_valid_hash_seed
 
 __all__ = [
     "AdapterBody",
@@ -150,7 +151,8 @@ class _ProfileFields(_Request):
     )
     kv_hash_seed: str | None = Field(
         default=None,
-        description="PYTHONHASHSEED of the engines; None: the cluster's random seed. Never '0'.",
+        description="PYTHONHASHSEED of the engines: an integer 1..4294967295 as a string. "
+        "None: the cluster's random seed.",
     )
     kv_block_size: int = Field(default=16, ge=1, le=4096)
     kv_hash_algo: Literal["sha256_cbor"] = "sha256_cbor"
@@ -160,10 +162,12 @@ class _ProfileFields(_Request):
     @field_validator("kv_hash_seed")
     @classmethod
     def _seed_ok(cls, v: str | None) -> str | None:
-        if v is not None and v in ("", "0"):
+        if v is not None and not is_valid_hash_seed(v):
             raise ValueError(
-                "must not be empty or '0': '0' also disables Python's string-hash randomization "
-                "in the engines; leave it unset to use the cluster's random seed"
+                f"must be a decimal integer from 1 to {MAX_HASH_SEED} without leading zeros: it "
+                "becomes the engines' PYTHONHASHSEED, which Python refuses otherwise ('0' would "
+                "also switch off string-hash randomization); leave it unset to use the "
+                "cluster's random seed"
             )
         return v
 

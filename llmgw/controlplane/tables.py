@@ -81,6 +81,14 @@ NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 ROLLOUT_BUDGET_PATTERN = "^(0|[1-9][0-9]{0,5})%?$"
 
 
+# PYTHONHASHSEED accepts only integers up to 2**32-1; canonical decimal, never 0.
+_RANDOM_HASH_SEED_SQL = "(floor(random() * 4294967295) + 1)::bigint::text"
+_VALID_HASH_SEED_SQL = (
+    "CASE WHEN kv_hash_seed ~ '^[1-9][0-9]{0,9}$' "
+    "THEN kv_hash_seed::bigint <= 4294967295 ELSE false END"
+)
+
+
 def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
@@ -129,11 +137,9 @@ class ClusterInfo(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cluster_id: Mapped[uuid.UUID] = mapped_column(server_default=text("gen_random_uuid()"))
-    # Default PYTHONHASHSEED of new profiles: random per cluster and never "0",
-    # which would also turn off Python's string-hash randomization in engines.
-    kv_hash_seed: Mapped[str] = mapped_column(
-        Text, server_default=text("replace(gen_random_uuid()::text, '-', '')")
-    )
+    # Default PYTHONHASHSEED of new profiles: random per cluster, an integer in 1..2**32-1
+    # (what Python accepts; "0" would also turn off string-hash randomization in engines).
+    kv_hash_seed: Mapped[str] = mapped_column(Text, server_default=text(_RANDOM_HASH_SEED_SQL))
     created_at: Mapped[datetime] = _created()
 
 
@@ -163,7 +169,7 @@ class Profile(_Versioned, Base):
         CheckConstraint("gpus_per_node >= 0", name="gpus_per_node_nonnegative"),
         CheckConstraint("threads >= 0", name="threads_nonnegative"),
         CheckConstraint("kv_block_size >= 1", name="kv_block_size_positive"),
-        CheckConstraint("kv_hash_seed <> '' AND kv_hash_seed <> '0'", name="kv_hash_seed_set"),
+        CheckConstraint(_VALID_HASH_SEED_SQL, name="kv_hash_seed_valid"),
         CheckConstraint("kv_hash_algo = 'sha256_cbor'", name="kv_hash_algo_known"),
         CheckConstraint(
             _in("kv_extra_key_format", ("tagged", "legacy")), name="kv_extra_key_format_known"

@@ -26,6 +26,7 @@ from llmgw.engines.fingerprint import ProfileFingerprint, profile_fingerprint
 from llmgw.engines.registry import ENGINE_NAMES, EngineRegistry
 from llmgw.engines.spec import (
     CPU_GPU_CLASS,
+    MAX_HASH_SEED,
     Adapter,
     GPUInfo,
     KVHashParams,
@@ -33,6 +34,7 @@ from llmgw.engines.spec import (
     ReplicaId,
     ShardId,
     ShardSpec,
+    is_valid_hash_seed,
     parse_gpus,
     parse_shard_spec,
 )
@@ -40,6 +42,7 @@ from llmgw.engines.spec import (
 __all__ = [
     "CPU_GPU_CLASS",
     "ENGINE_NAMES",
+    "MAX_HASH_SEED",
     "OWNED_ENV",
     "REDACTED",
     "UNSAFE_ENV",
@@ -64,6 +67,7 @@ __all__ = [
     "SimConfig",
     "TRTLLMConfig",
     "VLLMConfig",
+    "is_valid_hash_seed",
     "parse_gpus",
     "parse_shard_spec",
     "profile_fingerprint",

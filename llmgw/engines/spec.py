@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, NewType
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmgw.errors import SpecError
 
 __all__ = [
     "CPU_GPU_CLASS",
     "KV_HASH_ALGORITHM",
+    "MAX_HASH_SEED",
     "Adapter",
     "ExtraKeyFormat",
     "GPUInfo",
@@ -30,9 +31,25 @@ __all__ = [
     "ShardId",
     "ShardSpec",
     "describe_validation_error",
+    "is_valid_hash_seed",
     "parse_gpus",
     "parse_shard_spec",
 ]
+
+# PYTHONHASHSEED's range: Python accepts "random" or an integer in [0, 2**32 - 1].
+MAX_HASH_SEED = 2**32 - 1
+
+
+def is_valid_hash_seed(seed: str) -> bool:
+    """A seed Python accepts as PYTHONHASHSEED and llmgw accepts for KV hashing: 1..2**32-1,
+    canonical decimal ("0" would also switch off Python's string-hash randomization)."""
+    return (
+        seed.isascii()
+        and seed.isdigit()
+        and not seed.startswith("0")
+        and int(seed) <= MAX_HASH_SEED
+    )
+
 
 ReplicaId = NewType("ReplicaId", str)
 ShardId = NewType("ShardId", str)
@@ -76,10 +93,27 @@ class KVHashParams(_Wire):
     # means "not chosen": a kv_events profile is refused until the control plane
     # fills in its per-cluster random seed. "0" is refused too, since it also
     # turns off Python's string-hash randomization in the engine process.
+    # Python itself reads the variable too, and a value that is not a decimal
+    # integer up to 2**32-1 kills the interpreter before vLLM starts ("Fatal
+    # Python error: config_init_hash_seed"). vLLM hashes the *string*, so it is
+    # kept canonical (no sign, no leading zeros): "042" and "42" would seed
+    # Python alike but give different block hashes.
     seed: str = ""
     block_size: int = Field(default=16, gt=0)
     algorithm: Literal["sha256_cbor"] = KV_HASH_ALGORITHM
     extra_key_format: ExtraKeyFormat = "tagged"
+
+    @field_validator("seed")
+    @classmethod
+    def _python_accepts_it(cls, v: str) -> str:
+        if v and not is_valid_hash_seed(v):
+            raise ValueError(
+                f"kv_hash.seed {v!r} is not a usable PYTHONHASHSEED: it must be a decimal "
+                f"integer from 1 to {MAX_HASH_SEED}, without leading zeros (Python refuses "
+                "anything but an integer at start-up, so the engine would never run; 0 "
+                "would switch off its string-hash randomization)"
+            )
+        return v
 
 
 class Profile(_Wire):

@@ -232,7 +232,8 @@ def _check_kv_events(profile: Profile, traits: EngineTraits) -> None:
         # "0" also switches off Python's string-hash randomization in the engine.
         raise _fail(
             profile,
-            f"kv_events needs kv_hash.seed, a random string shared by the cluster; got "
+            f"kv_events needs kv_hash.seed, a random integer (1 to 2**32-1) shared by the "
+            f"cluster; got "
             f'{seed!r} (empty and "0" are refused)',
             "kv_hash.seed",
         )

@@ -9,7 +9,7 @@ from llmgw.engines.command import Command
 
 __all__ = ["BASE_ENV", "SEED", "build", "profile", "registry", "spec"]
 
-SEED = "c0ffee-seed"
+SEED = "3054198966"  # a PYTHONHASHSEED Python accepts: 1..2**32-1
 # What an agent's unit file typically hands down, plus things that must not pass.
 BASE_ENV = {
     "PATH": "/usr/bin:/bin",

@@ -27,7 +27,7 @@ BASE: dict[str, Any] = {
     "secret_env": {"HF_TOKEN": "secret://hf"},
     "adapters": [{"name": "a", "path": "/l/a"}, {"name": "b", "path": "/l/b"}],
     "kv_events": True,
-    "kv_hash": {"seed": "s1", "block_size": 16},
+    "kv_hash": {"seed": "1001", "block_size": 16},
 }
 
 
@@ -65,9 +65,9 @@ def test_every_profile_field_is_either_hashed_or_deliberately_left_out() -> None
         {"adapters": [{"name": "a", "path": "/l/a2"}, {"name": "b", "path": "/l/b"}]},
         {"kv_events": False},
         {"threads": 8},
-        {"kv_hash": {"seed": "s2", "block_size": 16}},
-        {"kv_hash": {"seed": "s1", "block_size": 32}},
-        {"kv_hash": {"seed": "s1", "block_size": 16, "extra_key_format": "legacy"}},
+        {"kv_hash": {"seed": "1002", "block_size": 16}},
+        {"kv_hash": {"seed": "1001", "block_size": 32}},
+        {"kv_hash": {"seed": "1001", "block_size": 16, "extra_key_format": "legacy"}},
         {"multinode_backend": "native"},
         {"secret_env": {"HF_TOKEN": "secret://hf", "WANDB_API_KEY": "secret://wandb"}},
     ],
@@ -131,7 +131,7 @@ def test_args_count_exactly(a: list[str], b: list[str]) -> None:
     st.lists(
         st.tuples(st.from_regex(r"[a-z]{1,4}", fullmatch=True), _text.filter(bool)), max_size=4
     ),
-    st.text(min_size=1, max_size=8),
+    st.integers(min_value=1, max_value=2**32 - 2).map(str),
 )
 def test_adapters_and_seed_count_exactly(adapters: list[tuple[str, str]], seed: str) -> None:
     ads = [Adapter(name=n, path=p) for n, p in adapters]
@@ -142,5 +142,5 @@ def test_adapters_and_seed_count_exactly(adapters: list[tuple[str, str]], seed: 
     if len(ads) > 1 and ads[0] != ads[-1]:
         swapped = profile(adapters=[ads[-1], *ads[1:-1], ads[0]], kv_hash=KVHashParams(seed=seed))
         assert profile_fingerprint(swapped) != profile_fingerprint(one)
-    other_seed = profile(adapters=ads, kv_hash=KVHashParams(seed=seed + "x"))
+    other_seed = profile(adapters=ads, kv_hash=KVHashParams(seed=str(int(seed) + 1)))
     assert profile_fingerprint(other_seed) != profile_fingerprint(one)

@@ -76,7 +76,8 @@ def shard_specs(draw: st.DrawFn) -> ShardSpec:
         adapters=tuple(adapters),
         kv_events=kv_events,
         kv_hash=KVHashParams(
-            seed=draw(_name.filter(lambda s: s != "0")), block_size=draw(st.sampled_from([16, 32]))
+            seed=str(draw(st.integers(min_value=1, max_value=2**32 - 1))),
+            block_size=draw(st.sampled_from([16, 32])),
         ),
         multinode_backend=draw(st.sampled_from(["ray", "native"])),
         args=draw(

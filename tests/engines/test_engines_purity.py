@@ -109,7 +109,7 @@ REFERENCE_FLAGS = {
 
 
 def test_every_emitted_flag_is_in_the_reference() -> None:
-    kv = {"kv_events": True, "kv_hash": KVHashParams(seed="s")}
+    kv = {"kv_events": True, "kv_hash": KVHashParams(seed="7")}
     ads = [Adapter(name="a", path="/l/a")]
     cases = [
         spec(profile(adapters=ads, **kv), kv_events_port=1, kv_replay_port=2),

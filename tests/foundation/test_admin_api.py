@@ -179,6 +179,7 @@ def test_bad_profiles_and_deployments_store_nothing(
         ({**base, "name": _name("p"), "args": ["--x", "a\x00"]}, "args"),
         ({**base, "name": _name("p"), "engine": "nope"}, None),
         ({**base, "name": _name("p"), "kv_hash_seed": "0"}, "kv_hash_seed"),
+        ({**base, "name": _name("p"), "kv_hash_seed": "not-a-number"}, "kv_hash_seed"),
         ({**base, "name": _name("p"), "env": {"LD_PRELOAD": "/evil.so"}}, None),
         ({**base, "name": _name("p"), "tp": 2, "nodes": 2}, None),
     ]

@@ -105,6 +105,10 @@ def test_a_gpu_cannot_be_assigned_twice(db_url: str) -> None:
         "INSERT INTO deployments (name, model_id, profile_id, max_surge, max_unavailable) VALUES ('d', %(m)s, %(p)s, '0', '0%%')",
         "UPDATE profiles SET tp = 0",
         "UPDATE profiles SET kv_hash_seed = '0'",
+        # PYTHONHASHSEED takes only integers up to 2**32-1; anything else kills the engine.
+        "UPDATE profiles SET kv_hash_seed = 'abc'",
+        "UPDATE profiles SET kv_hash_seed = '4294967296'",
+        "UPDATE profiles SET kv_hash_seed = '0042'",
     ],
 )
 def test_checks_are_enforced_by_the_database(db_url: str, statement: str) -> None:
@@ -112,8 +116,16 @@ def test_checks_are_enforced_by_the_database(db_url: str, statement: str) -> Non
         m = conn.execute("INSERT INTO models (name) VALUES ('m') RETURNING id").fetchone()[0]  # type: ignore[index]
         p = conn.execute(
             "INSERT INTO profiles (name, model_id, engine, model_path, kv_hash_seed, fingerprint) "
-            "VALUES ('p', %s, 'sim', '/m', 'abc', 'fp') RETURNING id",
+            "VALUES ('p', %s, 'sim', '/m', '12345', 'fp') RETURNING id",
             (m,),
         ).fetchone()[0]  # type: ignore[index]
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute(statement, {"m": m, "p": p})
+
+
+def test_the_clusters_default_seed_is_a_usable_pythonhashseed(db_url: str) -> None:
+    from llmgw.engines import is_valid_hash_seed
+
+    with psycopg.connect(libpq_url(db_url)) as conn:
+        row = conn.execute("SELECT kv_hash_seed FROM cluster_info").fetchone()
+    assert row is not None and is_valid_hash_seed(row[0]), row
