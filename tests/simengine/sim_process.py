@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,15 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from support.procs import free_port
 
 API_KEY = "sim-test-key"
 HASH_SEED = "4242"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
