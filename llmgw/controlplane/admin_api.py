@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane import queries
-from llmgw.controlplane.profile_checks import check_profile
+from llmgw.controlplane.profile_checks import LAUNCH_FIELDS, check_profile
 from llmgw.controlplane.schemas import (
     AdapterBody,
     DeploymentCreate,
@@ -252,13 +252,6 @@ async def get_profile(name: str, session: Session) -> ProfileOut:
     return _profile_out(profile, model.name)
 
 
-_LAUNCH_FIELDS = (
-    "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "model_path", "served_model_name",
-    "args", "env", "secret_env", "adapters", "kv_events", "threads", "kv_hash_seed",
-    "kv_block_size", "kv_hash_algo", "kv_extra_key_format",
-)  # fmt: skip
-
-
 @admin_router.patch("/profiles/{name:path}", response_model=ProfileOut, tags=["profiles"])
 async def update_profile(
     name: str, body: ProfileUpdate, request: Request, session: Session, actor: Actor
@@ -270,7 +263,7 @@ async def update_profile(
     changes = body.model_dump(exclude={"version"}, exclude_none=True)
     if body.adapters is not None:
         changes["adapters"] = [a.model_dump() for a in body.adapters]
-    merged = {f: changes.get(f, getattr(profile, f)) for f in _LAUNCH_FIELDS}
+    merged = {f: changes.get(f, getattr(profile, f)) for f in LAUNCH_FIELDS}
     changes["fingerprint"] = check_profile(name, merged)
     if queries.apply_changes(profile, changes, version=body.version, kind="profile"):
         await session.flush()

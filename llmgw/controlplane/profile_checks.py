@@ -23,7 +23,7 @@ from llmgw.engines import (
 )
 from llmgw.errors import LlmgwError, SpecError
 
-__all__ = ["check_profile", "engine_profile"]
+__all__ = ["LAUNCH_FIELDS", "check_profile", "engine_profile"]
 
 # The control plane validates what *some* node could run. Whether a given node
 # offers an engine (TensorRT-LLM only where its trtllm-serve is configured, none
@@ -32,29 +32,39 @@ __all__ = ["check_profile", "engine_profile"]
 _REGISTRY = EngineRegistry(EnginesConfig(trtllm=TRTLLMConfig(serve_path="trtllm-serve")))
 
 
+# The stored profile columns the engine's view is built from: every one of them can change the
+# launched process. An update merges its changes over these, then checks the whole profile.
+LAUNCH_FIELDS = (
+    "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "model_path", "served_model_name",
+    "args", "env", "secret_env", "adapters", "kv_events", "threads", "kv_hash_seed",
+    "kv_block_size", "kv_hash_algo", "kv_extra_key_format",
+)  # fmt: skip
+
+
 def engine_profile(name: str, fields: Mapping[str, Any]) -> Profile:
-    """The engines package's Profile for stored or submitted profile fields."""
+    """The engines package's Profile for a complete set of LAUNCH_FIELDS (defaults are the
+    API schema's and the table's business, not repeated here)."""
     return Profile(
         name=name,
         engine=fields["engine"],
-        gpu_class=fields.get("gpu_class", ""),
-        tp=fields.get("tp", 1),
-        pp=fields.get("pp", 1),
-        gpus_per_node=fields.get("gpus_per_node", 0),
-        nodes=fields.get("nodes", 1),
-        args=tuple(fields.get("args", ())),
-        env=dict(fields.get("env", {})),
-        secret_env=dict(fields.get("secret_env", {})),
+        gpu_class=fields["gpu_class"],
+        tp=fields["tp"],
+        pp=fields["pp"],
+        gpus_per_node=fields["gpus_per_node"],
+        nodes=fields["nodes"],
+        args=tuple(fields["args"]),
+        env=dict(fields["env"]),
+        secret_env=dict(fields["secret_env"]),
         model_path=fields["model_path"],
-        served_model_name=fields.get("served_model_name", ""),
-        adapters=tuple(Adapter(name=a["name"], path=a["path"]) for a in fields.get("adapters", ())),
-        kv_events=fields.get("kv_events", False),
-        threads=fields.get("threads", 0),
+        served_model_name=fields["served_model_name"],
+        adapters=tuple(Adapter(name=a["name"], path=a["path"]) for a in fields["adapters"]),
+        kv_events=fields["kv_events"],
+        threads=fields["threads"],
         kv_hash=KVHashParams(
-            seed=fields.get("kv_hash_seed", ""),
-            block_size=fields.get("kv_block_size", 16),
-            algorithm=fields.get("kv_hash_algo", "sha256_cbor"),
-            extra_key_format=fields.get("kv_extra_key_format", "tagged"),
+            seed=fields["kv_hash_seed"],
+            block_size=fields["kv_block_size"],
+            algorithm=fields["kv_hash_algo"],
+            extra_key_format=fields["kv_extra_key_format"],
         ),
     )
 

@@ -29,7 +29,11 @@ from typing import Any, Literal, Protocol
 from pydantic import ValidationError
 
 from llmgw.errors import AuthError, ConflictError, LlmgwError, NotFoundError, SpecError
-from llmgw.simengine.api_models import ChatCompletionRequest, CompletionRequest
+from llmgw.simengine.api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+)
 from llmgw.simengine.chat_template import render_chat
 from llmgw.simengine.engine import (
     EngineDeadError,
@@ -39,6 +43,7 @@ from llmgw.simengine.engine import (
     SimEngine,
 )
 from llmgw.simengine.openai_wire import ResponseEncoder, error_body, usage_dict
+from llmgw.simengine.tokenizer import Tokenizer
 
 __all__ = [
     "ASGIApp",
@@ -47,6 +52,7 @@ __all__ = [
     "Scope",
     "Send",
     "authorized",
+    "chat_token_ids",
     "resolve_model",
     "status_of",
     "unauthorized_body",
@@ -238,6 +244,20 @@ def resolve_model(engine: SimEngine, name: str | None) -> tuple[str, str | None]
     )
 
 
+def chat_token_ids(
+    tokenizer: Tokenizer, chat: ChatCompletionRequest | TokenizeChatRequest
+) -> list[int]:
+    """The tokens a chat request is cached under. `/tokenize` and chat completions both call
+    this, so a router that tokenizes a conversation gets exactly what the engine caches."""
+    text = render_chat(
+        chat.messages,
+        add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_final_message,
+        tools=chat.tools,
+    )
+    return tokenizer.tokenize(text, add_special_tokens=chat.add_special_tokens)
+
+
 def _generation_params(
     engine: SimEngine, kind: str, request: CompletionRequest | ChatCompletionRequest
 ) -> tuple[str, GenerationParams]:
@@ -268,13 +288,7 @@ def _generation_params(
                 )
         max_tokens = request.max_tokens
     else:
-        text = render_chat(
-            request.messages,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            tools=request.tools,
-        )
-        token_ids = tokenizer.tokenize(text, add_special_tokens=request.add_special_tokens)
+        token_ids = chat_token_ids(tokenizer, request)
         max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise SpecError(f"max_tokens={max_tokens} must be at least 1", field="max_tokens")

@@ -34,7 +34,6 @@ from llmgw.simengine.api_models import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from llmgw.simengine.chat_template import render_chat
 from llmgw.simengine.engine import SimEngine
 from llmgw.simengine.generation import (
     ASGIApp,
@@ -43,6 +42,7 @@ from llmgw.simengine.generation import (
     Scope,
     Send,
     authorized,
+    chat_token_ids,
     resolve_model,
     status_of,
     unauthorized_body,
@@ -161,13 +161,7 @@ def build_app(engine: SimEngine) -> ASGIApp:
         if isinstance(data, dict) and "messages" in data:
             chat = _validate(TokenizeChatRequest, data)
             resolve_model(engine, chat.model)
-            text = render_chat(
-                chat.messages,
-                add_generation_prompt=chat.add_generation_prompt,
-                continue_final_message=chat.continue_final_message,
-                tools=chat.tools,
-            )
-            tokens = tokenizer.tokenize(text, add_special_tokens=chat.add_special_tokens)
+            tokens = chat_token_ids(tokenizer, chat)
             want_strs = chat.return_token_strs
         else:
             plain = _validate(TokenizeCompletionRequest, data)

@@ -8,14 +8,14 @@ variable it does not read (API key, hash seed), fails here rather than on a flee
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from support.procs import free_port, stop_process, wait_http_ok
+from support.procs import free_port, stop_process, wait_for, wait_http_ok
 
 from llmgw.engines import (
     Adapter,
@@ -57,8 +57,6 @@ def test_the_adapters_command_serves_with_key_seed_and_adapters(tmp_path: Path) 
     registry = EngineRegistry(EnginesConfig(sim=SimConfig(python_executable=sys.executable)))
     engine = registry.get("sim")
     engine.validate(profile, [])
-    import os
-
     (command,) = engine.commands(spec, base_env=dict(os.environ))
     assert "shard-key-0123456789" not in " ".join(command.args)
     log = tmp_path / "sim.log"
@@ -85,12 +83,10 @@ def test_the_adapters_command_serves_with_key_seed_and_adapters(tmp_path: Path) 
         expected = {
             int.from_bytes(h[-8:], "big") for h in block_hashes(tokens, 16, seed="3141592653")
         }
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            held = {b["hash"] for b in httpx.get(f"{base}/debug/kv_blocks").json()["blocks"]}
-            if expected <= held:
-                break
-            time.sleep(0.05)
-        assert expected <= held
+
+        def held() -> set[int]:
+            return {b["hash"] for b in httpx.get(f"{base}/debug/kv_blocks").json()["blocks"]}
+
+        wait_for(lambda: expected <= held(), timeout_s=10, what="the prompt's blocks in the cache")
     finally:
         stop_process(proc)

@@ -17,7 +17,7 @@ async def test_step_failure_marks_engine_dead_and_fails_waiting_requests() -> No
     engine = SimEngine(SimEngineConfig(timing=TimingModel(time_scale=0)))
     await engine.start()
     try:
-        await asyncio.sleep(0)  # let the loop mark itself ready
+        await asyncio.wait_for(_until(lambda: engine.ready), 2)
         stream = engine.submit(GenerationParams(prompt_token_ids=(1, 2, 3), max_tokens=3))
         await asyncio.wait_for(_until(lambda: stream.done), 2)
         assert stream.num_emitted == 3

@@ -33,7 +33,11 @@ def llmgw_cmd(*args: str) -> list[str]:
 def wait_for(
     condition: Callable[[], T | None], *, timeout_s: float, what: str, interval_s: float = 0.05
 ) -> T:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` at the deadline.
+
+    Other exceptions mean "not yet" (a server still starting); an AssertionError from the
+    condition means "never" (the process under test exited) and fails at once.
+    """
     deadline = time.monotonic() + timeout_s
     last_exc: BaseException | None = None
     while time.monotonic() < deadline:
@@ -41,6 +45,8 @@ def wait_for(
             value = condition()
             if value:
                 return value
+        except AssertionError:
+            raise
         except Exception as exc:  # the condition may fail until it holds
             last_exc = exc
         time.sleep(interval_s)
