@@ -2,7 +2,10 @@
 
 A private Postgres in the data dir, migrated to head, then the control plane as
 a child process (so it can fail and be restarted on its own; the node agent
-and the demo model on the simulator join it as later pieces land). Ctrl-C
+and the demo model on the simulator join it as later pieces land). Both are
+supervised: a control plane or a Postgres that dies is restarted with backoff.
+Only the public listener (--host/--port) may face the network; the admin API
+stays on controlplane.internal_host (127.0.0.1 by default). Ctrl-C
 (SIGINT) or SIGTERM stops the children, then Postgres, cleanly; a second run
 reuses the data dir, its admin token and everything stored.
 
@@ -28,8 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from sqlalchemy.engine import URL, make_url
 
-from llmgw.embedded_postgres import DataDirInUseError, EmbeddedPostgres, die_with_parent
+from llmgw.embedded_postgres import (
+    DataDirInUseError,
+    EmbeddedPostgres,
+    die_with_parent,
+    libpq_url,
+)
 from llmgw.errors import ConfigError, ConflictError, EngineStartError
 from llmgw.logs import get_logger
 
@@ -48,18 +57,21 @@ _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 class UpOptions:
     data_dir: Path
     host: str
-    port: int  # the public OpenAI endpoint (served once the gateway lands)
+    port: int  # the public listener: OpenAI endpoint (served once the gateway lands)
     admin_port: int  # the control plane's internal listener: admin API, health
     demo: bool
     log_level: str
     config_path: Path | None
+    # The internal listener's address. Never --host: the admin token can set engine argv on
+    # every node, so publishing the OpenAI port must not publish the admin API with it.
+    internal_host: str = "127.0.0.1"
 
 
-def _port_free(host: str, port: int) -> bool:
+def _port_free(host: str, port: int, *, field: str = "--host") -> bool:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ConfigError(f"--host {host!r} does not resolve ({exc})", field="--host") from None
+        raise ConfigError(f"{field} {host!r} does not resolve ({exc})", field=field) from None
     family, _, _, _, addr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -132,8 +144,11 @@ class AllInOne:
 
     @property
     def admin_url(self) -> str:
-        host = f"[{self.opts.host}]" if ":" in self.opts.host else self.opts.host
-        return f"http://{host}:{self.opts.admin_port}"
+        return _http_url(_connectable(self.opts.internal_host), self.opts.admin_port)
+
+    @property
+    def public_url(self) -> str:
+        return _http_url(self.opts.host, self.opts.port)
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -157,16 +172,26 @@ class AllInOne:
             # We hold the lock, so whoever wrote it is gone without cleaning up.
             log.warning("previous_run_not_stopped_cleanly", up_json=str(stale))
             stale.unlink()
-        if not _port_free(opts.host, opts.admin_port):
-            raise ConflictError(
-                f"port {opts.admin_port} on {opts.host} is in use; pick another with --admin-port "
-                "(or stop what holds it)",
+        if opts.port == opts.admin_port:
+            raise ConfigError(
+                f"--port and --admin-port are both {opts.port}; the public and the internal "
+                "listener need a port each",
                 field="--admin-port",
             )
+        for host, host_field, port, flag in (
+            (opts.host, "--host", opts.port, "--port"),
+            (opts.internal_host, "controlplane.internal_host", opts.admin_port, "--admin-port"),
+        ):
+            if not _port_free(host, port, field=host_field):
+                raise ConflictError(
+                    f"port {port} on {host} is in use; pick another with {flag} "
+                    "(or stop what holds it)",
+                    field=flag,
+                )
         token = load_or_create_admin_token(opts.data_dir)
         self._pg = EmbeddedPostgres(opts.data_dir, progress=self._say, stop_with_owner=True)
         try:
-            url = self._pg.start()
+            self._pg.start()
         except DataDirInUseError as exc:
             raise ConflictError(
                 f"{exc.message}\nAnother `llmgw up` (or a Postgres) uses {opts.data_dir}; stop it, "
@@ -176,6 +201,10 @@ class AllInOne:
         try:
             from llmgw.controlplane import migrations
 
+            # The superuser only prepares what a non-superuser cannot; everything after runs as
+            # the app role, migrations included, so the tables are the role's own.
+            _create_extensions(self._pg.url)
+            url = self._pg.app_url
             # Each step checks for Ctrl-C first: a stop asked for during start-up must not be
             # answered with "llmgw is up" and an up.json pointing at a server about to stop.
             if not self._stop.is_set():
@@ -203,7 +232,8 @@ class AllInOne:
     def _start_controlplane(self, url: str, token: str) -> None:
         cmd = [
             sys.executable, "-m", "llmgw", "controlplane",
-            "--host", self.opts.host, "--port", str(self.opts.admin_port),
+            "--public-host", self.opts.host, "--public-port", str(self.opts.port),
+            "--host", self.opts.internal_host, "--port", str(self.opts.admin_port),
         ]  # fmt: skip
         if self.opts.config_path is not None:
             cmd += ["--config", str(self.opts.config_path)]
@@ -245,9 +275,24 @@ class AllInOne:
         )
 
     def _announce(self, token: str) -> None:
+        assert self._pg is not None
+        # The URL without its password: up.json is read by scripts and pasted into tickets; the
+        # password stays in its own 0600 file, which the psql hint reads.
+        app = make_url(self._pg.app_url)
+        database_url = libpq_url(
+            URL.create(
+                app.drivername,
+                username=app.username,
+                host=app.host,
+                port=app.port,
+                database=app.database,
+            ).render_as_string(hide_password=False)
+        )
         info = {
+            "public_url": self.public_url,
             "admin_url": self.admin_url,
             "admin_token": token,
+            "database_url": database_url,
             "data_dir": str(self.opts.data_dir),
             "pid": os.getpid(),
         }
@@ -259,6 +304,7 @@ class AllInOne:
             f"  Admin token:  {token}\n"
             f"  Data dir:     {self.opts.data_dir}   (up.json there has both for scripts)\n"
             f"  Try:          curl -H 'Authorization: Bearer {token}' {self.admin_url}/admin/v1/models\n"
+            f"  Database:     PGPASSWORD=$(cat {self._pg.app_password_path}) psql {database_url}\n"
             "Press Ctrl-C to stop.\n"
         )
 
@@ -266,6 +312,8 @@ class AllInOne:
         failures = 0
         started = time.monotonic()
         while not self._stop.wait(0.5):
+            if not self._postgres_alive():
+                continue
             child = self._child
             if child is None or child.poll() is None:
                 continue
@@ -282,6 +330,35 @@ class AllInOne:
             self._start_controlplane(url, token)
             started = time.monotonic()
 
+    def _postgres_alive(self) -> bool:
+        """Restart a Postgres that died (a crash, the OOM killer, `kill -9`) on its port.
+
+        The control plane stays up meanwhile: /readyz says 503 and its pool, which pings each
+        connection before use, reconnects by itself once the server is back. Returns whether
+        Postgres runs (False only when a stop was asked for while waiting to restart it).
+        """
+        pg = self._pg
+        assert pg is not None
+        status = pg.exited()
+        if status is None:
+            return True
+        log.warning("postgres_exited", status=status, pid_file=str(pg.pgdata / "postmaster.pid"))
+        failures = 0
+        while not self._stop.is_set():
+            pause = _RESTART_BACKOFF_S[min(failures, len(_RESTART_BACKOFF_S) - 1)]
+            log.warning("postgres_restart_scheduled", attempt=failures + 1, restart_in_s=pause)
+            if self._stop.wait(pause):
+                return False
+            try:
+                pg.restart()
+            except Exception as exc:  # any failure to start is retried, longer each time
+                log.warning("postgres_restart_failed", error=str(exc).splitlines()[0])
+                failures += 1
+                continue
+            log.info("postgres_restarted", pid=pg.pid, port=pg.port, attempts=failures + 1)
+            return True
+        return False
+
     def _stop_child(self) -> None:
         child = self._child
         if child is None or child.poll() is not None:
@@ -293,3 +370,22 @@ class AllInOne:
             log.warning("child_kill", child="controlplane", pid=child.pid)
             child.kill()
             child.wait()
+
+
+def _create_extensions(superuser_url: str) -> None:
+    # btree_gist backs the GPU-assignment exclusion constraint (migration 0002). It is a
+    # trusted extension, so the database's owner could create it too; creating it here as the
+    # superuser keeps migrations working on servers where it is not (and costs nothing).
+    import psycopg
+
+    with psycopg.connect(libpq_url(superuser_url), autocommit=True, connect_timeout=10) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS btree_gist")
+
+
+def _connectable(host: str) -> str:
+    # A wildcard address is where one listens, not where one connects.
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -1,4 +1,9 @@
-"""`llmgw controlplane`: serve the control plane's internal API (admin, health)."""
+"""`llmgw controlplane`: serve the control plane's two listeners in one process.
+
+The internal listener (``--host``/``--port``, default 127.0.0.1:8081) carries the
+admin API, health, readiness and the docs; the public one (``--public-host``/
+``--public-port``, the gateway's address) carries the OpenAI API only.
+"""
 
 from __future__ import annotations
 
@@ -22,31 +27,56 @@ def controlplane(
         int | None,
         typer.Option(help="Internal listener port (overrides controlplane.internal_port)."),
     ] = None,
+    public_host: Annotated[
+        str | None,
+        typer.Option(help="Public (OpenAI API) listener address (overrides gateway.host)."),
+    ] = None,
+    public_port: Annotated[
+        int | None,
+        typer.Option(help="Public (OpenAI API) listener port (overrides gateway.port)."),
+    ] = None,
 ) -> None:
-    """Serve the admin API, health and readiness on the internal listener."""
-    import uvicorn
+    """Serve the OpenAI API on the public listener (no model is served until the gateway
+    lands) and the admin API, health and readiness on the internal listener."""
+    import asyncio
 
     from llmgw.config import load_settings
     from llmgw.controlplane.app import create_app
+    from llmgw.controlplane.http.public_app import create_public_app
+    from llmgw.controlplane.server import Listener, serve
     from llmgw.logs import configure_logging, get_logger
 
-    cp: dict[str, object] = {}
-    if host is not None:
-        cp["internal_host"] = host
-    if port is not None:
-        cp["internal_port"] = port
-    settings = load_settings(config, **({"controlplane": cp} if cp else {}))
+    overrides: dict[str, dict[str, object]] = {}
+    for section, key, value in (
+        ("controlplane", "internal_host", host),
+        ("controlplane", "internal_port", port),
+        ("gateway", "host", public_host),
+        ("gateway", "port", public_port),
+    ):
+        if value is not None:
+            overrides.setdefault(section, {})[key] = value
+    settings = load_settings(config, **overrides)
     configure_logging(settings.log.level, json=settings.log.json_lines)
-    app = create_app(settings.controlplane)
+    cp, gw = settings.controlplane, settings.gateway
+    listeners = [
+        Listener(
+            name="internal",
+            app=create_app(cp),
+            host=cp.internal_host,
+            port=cp.internal_port,
+            setting="controlplane.internal_port",
+        ),
+        Listener(
+            name="public",
+            app=create_public_app(),
+            host=gw.host,
+            port=gw.port,
+            setting="gateway.port",
+        ),
+    ]
     get_logger("llmgw.controlplane").info(
         "controlplane_starting",
-        internal_url=f"http://{settings.controlplane.internal_host}:{settings.controlplane.internal_port}",
+        internal_url=f"http://{cp.internal_host}:{cp.internal_port}",
+        public_url=f"http://{gw.host}:{gw.port}",
     )
-    uvicorn.run(
-        app,
-        host=settings.controlplane.internal_host,
-        port=settings.controlplane.internal_port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    asyncio.run(serve(listeners, grace_s=cp.shutdown_grace_s))

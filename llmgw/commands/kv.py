@@ -48,7 +48,15 @@ def hash_command(
     ] = False,
 ) -> None:
     """Hash token ids (a JSON list on stdin) into one hash per full block."""
+    from llmgw.engines import hash_seed_problem
     from llmgw.kv import KVError, block_hashes, hash64
+
+    # The seed rule every other entry point applies (llmgw.engines): an engine
+    # cannot run with any other PYTHONHASHSEED, so hashes for one match nothing.
+    if seed is not None and (problem := hash_seed_problem(seed)) is not None:
+        raise _fail(f"--seed {problem}; omit --seed for vLLM >= 0.29's fixed default seed")
+    if block_size < 1:
+        raise _fail(f"--block-size {block_size} must be 1 or more; use the engine's --block-size")
 
     try:
         tokens = json.loads(sys.stdin.read())

@@ -17,6 +17,19 @@ import typer
 __all__ = ["simengine"]
 
 
+def _hash_seed(value: str | None) -> str | None:
+    """PYTHONHASHSEED under the one seed rule llmgw applies everywhere (llmgw.engines)."""
+    from llmgw.engines.spec import hash_seed_problem
+    from llmgw.errors import SpecError
+
+    if value is None:
+        return None
+    problem = hash_seed_problem(value)
+    if problem is not None:
+        raise SpecError(f"the environment's value {problem}", field="PYTHONHASHSEED")
+    return value
+
+
 def simengine(
     model: Annotated[
         str, typer.Option("--model", help="Reported as the model's root in /v1/models.")
@@ -67,6 +80,10 @@ def simengine(
     prefill_ms_per_token: Annotated[float, typer.Option("--prefill-ms-per-token")] = 0.05,
     decode_ms_per_seq: Annotated[float, typer.Option("--decode-ms-per-seq")] = 0.3,
     seed: Annotated[int, typer.Option("--seed", help="Default sampling seed.")] = 0,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option("--max-body-bytes", help="Larger request bodies get 413 (default 16 MiB)."),
+    ] = 16 * 1024 * 1024,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the simulator engine (what the `sim` engine adapter starts)."""
@@ -110,8 +127,9 @@ def simengine(
             ),
             load_time_s=load_time_s,
             seed=seed,
+            max_body_bytes=max_body_bytes,
             # vLLM hashes PYTHONHASHSEED as the string it reads; unset = its >= 0.29 default seed.
-            hash_seed=os.environ.get("PYTHONHASHSEED"),
+            hash_seed=_hash_seed(os.environ.get("PYTHONHASHSEED")),
             api_key=os.environ.get("SIMENGINE_API_KEY") or None,
         )
     except LlmgwError as exc:

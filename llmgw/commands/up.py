@@ -29,7 +29,9 @@ def up(
         typer.Option(
             min=1,
             max=65535,
-            help="Port of the public OpenAI endpoint. Default: gateway.port (8080).",
+            help="Port of the public listener, the only one --host exposes. It will serve the "
+            "OpenAI API once the gateway lands; until then it answers health checks only. "
+            "Default: gateway.port (8080).",
         ),
     ] = None,
     admin_port: Annotated[
@@ -37,20 +39,32 @@ def up(
         typer.Option(
             min=1,
             max=65535,
-            help="Port of the internal admin API. Default: controlplane.internal_port if "
+            help="Port of the internal listener (admin API), on controlplane.internal_host "
+            "(127.0.0.1 by default), never on --host. Default: controlplane.internal_port if "
             "configured, else --port + 1.",
         ),
     ] = None,
     host: Annotated[
-        str | None, typer.Option(help="Address to listen on. Default: gateway.host (127.0.0.1).")
+        str | None,
+        typer.Option(
+            help="Address of the public listener (--port) only; the admin API stays on "
+            "controlplane.internal_host. Default: gateway.host (127.0.0.1).",
+        ),
     ] = None,
     no_demo: Annotated[
         bool,
-        typer.Option("--no-demo", help="Do not create the demo model on the simulator engine."),
+        typer.Option(
+            "--no-demo",
+            help="Reserved: the demo model on the simulator engine arrives with the node agent; "
+            "until then no demo is created either way.",
+        ),
     ] = False,
     config: ConfigOption = None,
 ) -> None:
-    """Run everything on this machine: a private Postgres, migrations, the control plane."""
+    """Run everything on this machine: a private Postgres, migrations, the control plane.
+
+    Postgres and the control plane are supervised: either one that dies is restarted.
+    """
     from llmgw.allinone import AllInOne, UpOptions
     from llmgw.config import default_data_dir, load_settings
     from llmgw.logs import configure_logging
@@ -73,6 +87,7 @@ def up(
         demo=settings.up.demo and not no_demo,
         log_level=settings.log.level,
         config_path=config,
+        internal_host=settings.controlplane.internal_host,
     )
     aio = AllInOne(opts, say=lambda msg: typer.echo(msg, err=True))
     # SIGHUP too: a closed terminal or ssh session is a request to stop, not a reason to leave

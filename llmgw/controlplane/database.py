@@ -24,6 +24,9 @@ def create_engine(url: str, *, pool_size: int = 10, connect_timeout_s: float = 5
         max_overflow=pool_size,
         # A connection dropped by a Postgres restart is found before a request uses it.
         pool_pre_ping=True,
+        # Statement parameters can hold secrets (a profile's secret_env, a key's hash): they
+        # must never reach an exception message or a logged traceback.
+        hide_parameters=True,
         connect_args={
             "connect_timeout": max(1, int(connect_timeout_s)),
             "application_name": "llmgw-controlplane",

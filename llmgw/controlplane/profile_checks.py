@@ -37,15 +37,21 @@ _REGISTRY = EngineRegistry(EnginesConfig(trtllm=TRTLLMConfig(serve_path="trtllm-
 LAUNCH_FIELDS = (
     "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "model_path", "served_model_name",
     "args", "env", "secret_env", "adapters", "kv_events", "threads", "kv_hash_seed",
-    "kv_block_size", "kv_hash_algo", "kv_extra_key_format",
+    "kv_block_size", "kv_hash_algo", "kv_extra_key_format", "multinode_backend",
 )  # fmt: skip
 
 
-def engine_profile(name: str, fields: Mapping[str, Any]) -> Profile:
+def engine_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> Profile:
     """The engines package's Profile for a complete set of LAUNCH_FIELDS (defaults are the
-    API schema's and the table's business, not repeated here)."""
+    API schema's and the table's business, not repeated here).
+
+    `model` is the model's name, what clients send: the engine answers to it when
+    served_model_name is empty, as the admin API documents (issue 8 item 9). Without it
+    the engines package can only fall back to model_path.
+    """
     return Profile(
         name=name,
+        model=model,
         engine=fields["engine"],
         gpu_class=fields["gpu_class"],
         tp=fields["tp"],
@@ -66,18 +72,22 @@ def engine_profile(name: str, fields: Mapping[str, Any]) -> Profile:
             algorithm=fields["kv_hash_algo"],
             extra_key_format=fields["kv_extra_key_format"],
         ),
+        # Ray or vLLM's own launcher: a different process tree, so it counts like any arg.
+        multinode_backend=fields.get("multinode_backend", "ray"),
     )
 
 
-def check_profile(name: str, fields: Mapping[str, Any]) -> str:
+def check_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> str:
     """Validate a profile as its engine would; return its fingerprint.
+
+    `model`: the profile's model's name (see engine_profile); callers pass it.
 
     Raises SpecError naming the profile, the rule and the numbers. GPUs are not
     known yet (placement picks them), so only the GPU-independent rules apply here;
     the agent validates again against the node's real GPUs before starting.
     """
     try:
-        profile = engine_profile(name, fields)
+        profile = engine_profile(name, fields, model=model)
         _REGISTRY.get(profile.engine).validate(profile, [])
     except LlmgwError as exc:
         # The engines package names fields from the shard spec's view ("profile.tp");

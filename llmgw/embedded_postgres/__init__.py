@@ -9,7 +9,9 @@ Layout of a data dir (llmgw.config.default_data_dir() for `llmgw up`, a temp dir
 
     <data_dir>/postgres/            PGDATA and the unix socket; owned by `postgres` under root
     <data_dir>/postgres.password    0600, the generated password of the `llmgw` superuser
-    <data_dir>/postgres.log         the server's stdout/stderr, appended per start
+    <data_dir>/postgres.app.password  0600, that of `llmgw_app`, which owns the `llmgw` database
+    <data_dir>/postgres.log         0600, the server's stdout/stderr, appended per start; never
+                                    statement text, parameters or failing rows (terse errors)
     <data_dir>/postgres.start.lock  flock held while a start is under way
     <data_dir>/owner.pid            throwaway dirs only: the pid that made it (for sweeping)
 
@@ -40,10 +42,11 @@ from llmgw.embedded_postgres._databases import (
 )
 from llmgw.embedded_postgres._errors import DataDirInUseError, PostgresStartError
 from llmgw.embedded_postgres._process import die_with_parent
-from llmgw.embedded_postgres._server import SUPERUSER, EmbeddedPostgres
+from llmgw.embedded_postgres._server import APP_ROLE, SUPERUSER, EmbeddedPostgres
 from llmgw.embedded_postgres._throwaway import throwaway_parent
 
 __all__ = [
+    "APP_ROLE",
     "SUPERUSER",
     "DataDirInUseError",
     "EmbeddedPostgres",

@@ -216,6 +216,9 @@ def free_port() -> int:
 
 def port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As PostgreSQL binds: with SO_REUSEADDR, so the TIME_WAIT connections a killed server
+        # leaves behind do not make its own port look taken when it is restarted there.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
         except OSError:

@@ -1,7 +1,7 @@
 """The lifecycle of one embedded PostgreSQL server: initdb on first use, start, wait, stop.
 
 Everything here is in the order `start()` runs it. What it must NOT do: run application SQL
-(beyond creating the `llmgw` database), log the password, or start over a data dir whose
+(beyond creating the `llmgw` database and the role that owns it), log the password, or start over a data dir whose
 postmaster.pid names a live process: that lock file is PostgreSQL's own guard, and this module
 reads it but never removes it.
 """
@@ -49,9 +49,14 @@ from llmgw.embedded_postgres._throwaway import make_throwaway_dir
 from llmgw.errors import ConfigError
 from llmgw.logs import get_logger
 
-__all__ = ["SUPERUSER", "EmbeddedPostgres"]
+__all__ = ["APP_ROLE", "SUPERUSER", "EmbeddedPostgres"]
 
 SUPERUSER = "llmgw"
+# What the application connects as: owner of the `llmgw` database and its schema, nothing more.
+# A superuser there could read any file the server can (COPY ... FROM), run programs
+# (COPY ... PROGRAM) and turn off every constraint (session_replication_role): one SQL injection
+# or leaked URL would be the whole machine instead of the fleet's state.
+APP_ROLE = "llmgw_app"
 _APP_DB = "llmgw"
 _ADMIN_DB = "postgres"
 # sun_path holds 108 bytes with the NUL; a longer socket path makes postgres refuse to start.
@@ -105,6 +110,7 @@ class EmbeddedPostgres:
         self._stop_timeout_s = stop_timeout_s
         self._port: int | None = None
         self._password: str | None = None
+        self._app_password: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
@@ -131,6 +137,10 @@ class EmbeddedPostgres:
         return self.data_dir / "postgres.password"
 
     @property
+    def app_password_path(self) -> Path:
+        return self.data_dir / "postgres.app.password"
+
+    @property
     def port(self) -> int:
         if self._port is None:
             raise PostgresStartError("the server has no port until start() returns")
@@ -151,11 +161,19 @@ class EmbeddedPostgres:
         """URL of the `postgres` maintenance database, for CREATE/DROP DATABASE."""
         return self._url(_ADMIN_DB)
 
-    def _url(self, dbname: str) -> str:
-        if self._password is None or self._port is None:
+    @property
+    def app_url(self) -> str:
+        """SQLAlchemy URL of the `llmgw` database as :data:`APP_ROLE` (carries its password)."""
+        if self._app_password is None:
             raise PostgresStartError("the server has no URL until start() returns")
-        pw = urllib.parse.quote(self._password, safe="")
-        return f"postgresql+psycopg://{SUPERUSER}:{pw}@{HOST}:{self._port}/{dbname}"
+        return self._url(_APP_DB, user=APP_ROLE, password=self._app_password)
+
+    def _url(self, dbname: str, *, user: str = SUPERUSER, password: str | None = None) -> str:
+        password = password if password is not None else self._password
+        if password is None or self._port is None:
+            raise PostgresStartError("the server has no URL until start() returns")
+        pw = urllib.parse.quote(password, safe="")
+        return f"postgresql+psycopg://{user}:{pw}@{HOST}:{self._port}/{dbname}"
 
     # -- lifecycle
 
@@ -213,6 +231,24 @@ class EmbeddedPostgres:
         self._say(f"PostgreSQL ready on {HOST}:{self._port} ({ready_s:.2f}s)")
         return self.url
 
+    def exited(self) -> int | None:
+        """The postmaster's exit status if the server this object started has died, else None."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def restart(self) -> str:
+        """Start again on the same port after the server died, so clients' URLs stay valid.
+
+        After a crash (or `kill -9` of the postmaster) PostgreSQL refuses to start while
+        backends of the old one still hold its shared memory; they exit within moments of
+        noticing, so a caller retries with backoff on PostgresStartError.
+        """
+        if self.pid is not None:
+            return self.url
+        self._teardown_process()
+        if self._port is not None:
+            self._port_wanted = self._port
+        return self.start()
+
     def stop(self) -> None:
         """Fast shutdown (SIGINT), escalating to immediate (SIGQUIT) and SIGKILL if it hangs."""
         proc = self._proc
@@ -241,13 +277,16 @@ class EmbeddedPostgres:
             self._data_dir = make_throwaway_dir()
         self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if owner is None:
+            # It holds the password files and the server log: nobody else may list or read it
+            # (a dir made by an older llmgw, or by the caller, may be 0755).
+            self._data_dir.chmod(0o700)
             return
         # Under root the server runs as `postgres`, which must be able to pass through every
         # directory above its PGDATA. 0711 lets it through without letting it (or anyone) list
-        # the data dir, so the 0600 password file stays private.
-        mode = stat.S_IMODE(self._data_dir.stat().st_mode)
-        if mode & 0o111 != 0o111:
-            self._data_dir.chmod(mode | 0o111)
+        # the data dir, so the 0600 password file stays private. Nothing more: no listing, no
+        # reading (a dir made by an older llmgw may be 0755).
+        if stat.S_IMODE(self._data_dir.stat().st_mode) != 0o711:
+            self._data_dir.chmod(0o711)
         for d in self._data_dir.parents:
             st = d.stat()
             if not may_enter(st, owner):
@@ -380,13 +419,25 @@ class EmbeddedPostgres:
             "unix_socket_directories": socket_dir,
             "unix_socket_permissions": "0700",
             "max_connections": "200",
+            # Never write statement text or bind parameters to the log: an admin write that
+            # fails (a CHECK, a bad JSON value) would otherwise copy its values, secret_env
+            # included, into postgres.log. terse also drops DETAIL ("Failing row contains
+            # ...") and CONTEXT ("JSON data, line 1: ..."), which quote the values themselves.
+            "log_min_error_statement": "panic",
+            "log_statement": "none",
+            "log_parameter_max_length": "0",
+            "log_parameter_max_length_on_error": "0",
+            "log_error_verbosity": "terse",
         }
         if self._throwaway:
             settings |= {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
         args = [str(bin_dir / "postgres"), "-D", str(self.pgdata), "-p", str(self._port)]
         for key, value in settings.items():
             args += ["-c", f"{key}={value}"]
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (the child writes it until stop)
+        # 0600: even terse, the log names roles, databases and constraint names.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)  # a log from an older llmgw may be 0644
+        self._log_file = os.fdopen(fd, "ab")
         self._log_file.write(f"{_LOG_MARK} postgres on port {self._port}\n".encode())
         self._log_file.flush()
         self._proc = subprocess.Popen(
@@ -443,16 +494,50 @@ class EmbeddedPostgres:
         )
 
     def _ensure_app_database(self) -> None:
+        """The `llmgw` database, owned by the non-superuser APP_ROLE, whose password is kept
+        in a 0600 file beside the superuser's (set again on every start, so the file wins)."""
+        self._app_password = self._read_or_make_app_password()
+        role = sql.Identifier(APP_ROLE)
         with psycopg.connect(libpq_url(self.admin_url), autocommit=True, connect_timeout=10) as c:
-            row = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (_APP_DB,)).fetchone()
-            if row is not None:
-                return
-            stmt = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(_APP_DB))
-            if c.info.server_version >= 150000:
-                # 15's default (WAL_LOG) writes the whole template through the WAL: 0.3 s on a
-                # fresh cluster against 0.02 s for a file copy plus an empty checkpoint.
-                stmt = sql.SQL("{} STRATEGY FILE_COPY").format(stmt)
+            exists = c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (APP_ROLE,)).fetchone()
+            # Client-side literal: utility statements take no bind parameters. The statement
+            # is never logged (log_statement = none, log_min_error_statement = panic).
+            stmt = sql.SQL(
+                "{} ROLE {} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION "
+                "NOBYPASSRLS PASSWORD {}"
+            ).format(
+                sql.SQL("ALTER" if exists else "CREATE"), role, sql.Literal(self._app_password)
+            )
             c.execute(stmt)
+            row = c.execute(
+                "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = %s", (_APP_DB,)
+            ).fetchone()
+            if row is None:
+                stmt = sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(_APP_DB), role)
+                if c.info.server_version >= 150000:
+                    # 15's default (WAL_LOG) writes the whole template through the WAL: 0.3 s on
+                    # a fresh cluster against 0.02 s for a file copy plus an empty checkpoint.
+                    stmt = sql.SQL("{} STRATEGY FILE_COPY").format(stmt)
+                c.execute(stmt)
+            elif row[0] != APP_ROLE:
+                c.execute(
+                    sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(_APP_DB), role)
+                )
+            else:
+                return
+        # A new database, or one an older llmgw made as the superuser: the role takes over the
+        # schema and everything in it, so migrations run as the role can alter what exists.
+        with psycopg.connect(libpq_url(self.url), autocommit=True, connect_timeout=10) as c:
+            c.execute(sql.SQL("ALTER SCHEMA public OWNER TO {}").format(role))
+            c.execute(sql.SQL(_REASSIGN_PUBLIC).format(role=sql.Literal(APP_ROLE)))
+
+    def _read_or_make_app_password(self) -> str:
+        try:
+            return self.app_password_path.read_text().strip()
+        except FileNotFoundError:
+            password = secrets.token_urlsafe(24)
+            write_private(self.app_password_path, password + "\n", None)
+            return password
 
     # -- helpers
 
@@ -481,6 +566,35 @@ class EmbeddedPostgres:
             self._data_dir = None
             self._port = None
             self._password = None
+
+
+# Hands the superuser's tables, views, standalone sequences and functions in `public` to the
+# app role (a sequence owned by a column follows its table; altering it directly is refused).
+_REASSIGN_PUBLIC = """
+DO $$
+DECLARE
+    r record;
+    app text := {role};
+BEGIN
+    FOR r IN
+        SELECT c.oid::regclass AS name FROM pg_class c
+        WHERE c.relnamespace = 'public'::regnamespace AND c.relowner <> app::regrole
+          AND (c.relkind IN ('r', 'p', 'v')
+               OR (c.relkind = 'S' AND NOT EXISTS (
+                   SELECT 1 FROM pg_depend d WHERE d.objid = c.oid AND d.deptype IN ('a', 'i'))))
+    LOOP
+        EXECUTE format('ALTER TABLE %s OWNER TO %I', r.name, app);
+    END LOOP;
+    FOR r IN
+        SELECT p.oid::regprocedure AS name FROM pg_proc p
+        WHERE p.pronamespace = 'public'::regnamespace AND p.proowner <> app::regrole
+          AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = p.oid AND d.deptype = 'e')
+    LOOP
+        EXECUTE format('ALTER ROUTINE %s OWNER TO %I', r.name, app);
+    END LOOP;
+END
+$$
+"""
 
 
 class _PortTakenError(Exception):

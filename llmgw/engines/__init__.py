@@ -7,10 +7,27 @@ the control plane validates profiles and fingerprints them with it.
     registry = EngineRegistry(EnginesConfig(sim=SimConfig(python_executable=sys.executable)))
     engine = registry.get(spec.profile.engine)
     warnings = engine.validate(spec.profile, gpus)
-    commands = engine.commands(spec, base_env=dict(os.environ))
+    commands = engine.commands(spec, base_env=base_env_from(os.environ))
+    needs = placement_requirements(spec.profile)   # for placement
+
+Engines are no security boundary, and neither are args. llmgw refuses only
+what would break its own bookkeeping (reserved flags, code-loading variables);
+every other arg passes, `--trust-remote-code`, `--worker-extension-cls` and
+`--middleware` included, and each of those runs code the profile names. So
+whoever holds the admin token can run any code, as the agent's user (often
+root), on every node that runs the profile. A node that must not allow some
+flags refuses them in its own policy with `refused_flags` (or
+`Engine.refused_flags`), which matches every spelling the engine's parser
+accepts: `--trust_remote_code`, `--trust-rem`, `--trust-remote-code=true`.
 """
 
-from llmgw.engines.command import REDACTED, Command, CommandFile, redact_commands
+from llmgw.engines.command import (
+    REDACTED,
+    Command,
+    CommandFile,
+    redact_commands,
+    redact_secret_names,
+)
 from llmgw.engines.config import (
     EnginesConfig,
     LlamaCppConfig,
@@ -21,9 +38,24 @@ from llmgw.engines.config import (
     VLLMConfig,
 )
 from llmgw.engines.engine import Engine, HealthState, Readiness
-from llmgw.engines.env import OWNED_ENV, UNSAFE_ENV, shard_env, unsafe_env_reason
+from llmgw.engines.env import (
+    BASE_ENV_NAMES,
+    BASE_ENV_PREFIXES,
+    OWNED_ENV,
+    UNSAFE_ENV,
+    base_env_from,
+    is_secret_name,
+    shard_env,
+    unsafe_env_reason,
+)
 from llmgw.engines.fingerprint import ProfileFingerprint, profile_fingerprint
-from llmgw.engines.registry import ENGINE_NAMES, EngineRegistry
+from llmgw.engines.flags import FLAG_SYNTAX, FlagSyntax, refused_flags
+from llmgw.engines.registry import ENGINE_NAMES, EngineRegistry, reference_engine
+from llmgw.engines.requirements import (
+    PlacementRequirements,
+    check_replica_specs,
+    placement_requirements,
+)
 from llmgw.engines.spec import (
     CPU_GPU_CLASS,
     MAX_HASH_SEED,
@@ -34,14 +66,18 @@ from llmgw.engines.spec import (
     ReplicaId,
     ShardId,
     ShardSpec,
+    hash_seed_problem,
     is_valid_hash_seed,
     parse_gpus,
     parse_shard_spec,
 )
 
 __all__ = [
+    "BASE_ENV_NAMES",
+    "BASE_ENV_PREFIXES",
     "CPU_GPU_CLASS",
     "ENGINE_NAMES",
+    "FLAG_SYNTAX",
     "MAX_HASH_SEED",
     "OWNED_ENV",
     "REDACTED",
@@ -52,11 +88,13 @@ __all__ = [
     "Engine",
     "EngineRegistry",
     "EnginesConfig",
+    "FlagSyntax",
     "GPUInfo",
     "HealthState",
     "KVHashParams",
     "LlamaCppConfig",
     "MegatronConfig",
+    "PlacementRequirements",
     "Profile",
     "ProfileFingerprint",
     "Readiness",
@@ -67,11 +105,19 @@ __all__ = [
     "SimConfig",
     "TRTLLMConfig",
     "VLLMConfig",
+    "base_env_from",
+    "check_replica_specs",
+    "hash_seed_problem",
+    "is_secret_name",
     "is_valid_hash_seed",
     "parse_gpus",
     "parse_shard_spec",
+    "placement_requirements",
     "profile_fingerprint",
     "redact_commands",
+    "redact_secret_names",
+    "reference_engine",
+    "refused_flags",
     "shard_env",
     "unsafe_env_reason",
 ]

@@ -12,7 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["REDACTED", "Command", "CommandFile", "redact_commands"]
+from llmgw.engines.env import is_secret_name
+
+__all__ = ["REDACTED", "Command", "CommandFile", "redact_commands", "redact_secret_names"]
 
 REDACTED = "<redacted>"
 _MIN_SUBSTRING_SECRET = 8
@@ -112,3 +114,39 @@ def redact_commands(commands: list[Command], secrets: Mapping[str, str]) -> list
             )
         )
     return out
+
+
+def _redact_args(args: tuple[str, ...]) -> tuple[str, ...]:
+    out: list[str] = []
+    hide_next = False
+    for arg in args:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if arg.startswith("-") and is_secret_name(arg.split("=", 1)[0]):
+            if "=" in arg:
+                out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(arg)
+    return tuple(out)
+
+
+def redact_secret_names(commands: list[Command]) -> list[Command]:
+    """The commands with the value of every secret-looking variable or flag replaced.
+
+    For showing commands to people: whatever the value, `AWS_SECRET_ACCESS_KEY`
+    or `--hf-token X` is shown as REDACTED (env.is_secret_name says which).
+    """
+    return [
+        c.model_copy(
+            update={
+                "args": _redact_args(c.args),
+                "env": {k: REDACTED if is_secret_name(k) else v for k, v in c.env.items()},
+            }
+        )
+        for c in commands
+    ]

@@ -9,14 +9,20 @@ the agent observed, not a probe.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from llmgw.engines.command import Command
-from llmgw.engines.flags import ReservedFlag, check_reserved
+from llmgw.engines.flags import FlagSyntax, ReservedFlag, check_reserved, refused_flags
 from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
-from llmgw.engines.validation import EngineTraits, validate_common, validate_spec_fits
+from llmgw.engines.validation import (
+    EngineTraits,
+    data_parallel_size,
+    gpus_per_shard,
+    validate_common,
+    validate_spec_fits,
+)
 from llmgw.errors import SpecError
 
 __all__ = ["Engine", "HealthState", "Readiness", "host_port"]
@@ -71,12 +77,50 @@ class Engine(ABC):
     falls_back_to_cpu: ClassVar[bool] = False
     # The engine can free its GPU memory and resume without a restart.
     supports_suspend: ClassVar[bool] = False
-    # Whether the engine's parser accepts unambiguous prefixes of long flags.
-    abbreviations: ClassVar[bool] = True
+    # A multi-node replica's ranks must get the same GPU indices and HCA names
+    # on every node: the leader's launcher copies its own values to every rank
+    # (TensorRT-LLM's `mpirun -x`).
+    uniform_ranks: ClassVar[bool] = False
+    # Every flag the adapter may reserve, for any profile. With the traits'
+    # flags these are the names it knows the parser has exactly, which an
+    # abbreviation check must not read as prefixes of longer ones.
+    all_reserved: ClassVar[tuple[ReservedFlag, ...]] = ()
 
     @property
     def name(self) -> str:
         return self.traits.name
+
+    @property
+    def syntax(self) -> FlagSyntax:
+        """Which spellings of a flag the engine's parser accepts (flags.py)."""
+        return self.traits.syntax
+
+    def gpus_per_shard(self, profile: Profile) -> int:
+        """GPUs each shard of this profile holds, data parallelism counted (0 on CPU)."""
+        return gpus_per_shard(profile, self.traits)
+
+    def data_parallel_size(self, profile: Profile) -> int:
+        return data_parallel_size(profile, self.traits)
+
+    def known_flags(self) -> frozenset[str]:
+        t = self.traits
+        names = {
+            *t.dp_flags,
+            *t.dp_within_tp_flags,
+            *t.quantization_flags,
+            *t.dtype_flags,
+            *t.bf16_flags,
+        }
+        for r in self.all_reserved:
+            names.update(r.names)
+        return frozenset(names)
+
+    def refused_flags(self, args: Sequence[str], refused: Collection[str]) -> list[str]:
+        """The args that set a flag in `refused`, in any spelling this engine's parser takes.
+
+        The hook for a node's local policy: see flags.refused_flags.
+        """
+        return refused_flags(args, refused, self.name, known=self.known_flags())
 
     # --- validation -------------------------------------------------------
 
@@ -106,7 +150,8 @@ class Engine(ABC):
             self.name,
             profile.args,
             self.reserved_flags(profile),
-            abbreviations=self.abbreviations,
+            syntax=self.syntax,
+            known=self.known_flags(),
         )
 
     def _validate_engine(self, profile: Profile, gpus: Sequence[GPUInfo]) -> list[str]:
@@ -139,11 +184,13 @@ class Engine(ABC):
         # env is not refused here but skipped (env.py), as the seed does.
         validate_common(p.model_copy(update={"env": {}, "secret_env": {}}), (), self.traits)
         self._check_args(p)
-        validate_spec_fits(p, rank=spec.rank, nnodes=spec.nnodes, num_gpus=spec.num_gpus)
-        if spec.on_mig and p.tp * p.pp_degree > 1:
+        validate_spec_fits(
+            p, self.traits, rank=spec.rank, nnodes=spec.nnodes, num_gpus=spec.num_gpus
+        )
+        if spec.on_mig and self.gpus_per_shard(p) > 1:
             raise SpecError(
                 f"shard {spec.shard_id}: a MIG instance cannot join a TP {p.tp} x PP "
-                f"{p.pp_degree} group; MIG shards are TP = PP = 1",
+                f"{p.pp_degree} or data-parallel group; MIG shards are TP = PP = 1, one GPU",
                 field="gpu_uuids",
             )
         if spec.nnodes > 1 and (not spec.leader_addr or spec.leader_port <= 0):

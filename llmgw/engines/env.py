@@ -11,15 +11,20 @@ monkeypatching.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from llmgw.engines.spec import ShardSpec
 
 __all__ = [
+    "BASE_ENV_NAMES",
+    "BASE_ENV_PREFIXES",
     "LLMGW_PREFIX",
     "OWNED_ENV",
     "UNSAFE_ENV",
     "UNSAFE_ENV_PREFIXES",
+    "base_env_from",
+    "is_secret_name",
     "materialize_env",
     "shard_env",
     "unsafe_env_reason",
@@ -191,3 +196,64 @@ def materialize_env(
         if unsafe_env_reason(k) is None and "\0" not in v:
             merged[k] = v
     return dict(sorted(merged.items()))
+
+
+# What an engine inherits from the agent (or from `llmgw engines command`'s
+# shell): an allow-list, not the whole environment minus some names. An
+# operator's shell or a unit file carries AWS_SECRET_ACCESS_KEY, GITHUB_TOKEN,
+# a database URL with its password; inheriting everything handed those to
+# every engine and printed them in `llmgw engines command` (issue 8 item 7).
+# Kept: what a process needs to run at all (PATH, HOME, user, locale, time
+# zone, temp dir), where the operator put CUDA and the caches engines fill
+# (Hugging Face, torch, Triton, vLLM compile caches: without them every
+# start downloads or compiles again), CA bundles, and NCCL/Gloo tuning the
+# node's operator set. Not kept: proxies (their URLs carry credentials; set
+# them in the profile's env or secret_env), and anything else; a profile's
+# env is the way to give an engine more.
+BASE_ENV_NAMES: frozenset[str] = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+        "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH",
+        "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_CACHE",
+        "TRANSFORMERS_CACHE", "TRANSFORMERS_OFFLINE", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "XDG_CACHE_HOME",
+        "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    }
+)  # fmt: skip
+BASE_ENV_PREFIXES: tuple[str, ...] = ("LC_", "NCCL_", "GLOO_")
+
+# Names that hold credentials by convention: a word anywhere in the name, or
+# a vendor prefix whose variables are mostly keys. Matching errs towards
+# hiding: a redacted harmless value costs a second look, a printed key is a leak.
+_SECRET_WORDS = re.compile(
+    r"TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|PASS$|_PASS_|KEY|CREDENTIAL|AUTH|COOKIE|"
+    r"SESSION|PRIVATE|SIGNATURE|DSN|DATABASE_URL|CONN_?STR",
+)
+_SECRET_PREFIXES = (
+    "AWS_", "AZURE_", "GCP_", "GOOGLE_", "GITHUB_", "GH_", "GITLAB_", "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN", "OPENAI_", "ANTHROPIC_", "WANDB_", "NPM_", "PYPI_", "DOCKER_",
+    "SLACK_", "STRIPE_", "VAULT_", "PG", "MYSQL_", "REDIS_", "SENTRY_",
+)  # fmt: skip
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a variable (or flag) name looks like it holds a credential."""
+    upper = name.upper().lstrip("-").replace("-", "_")
+    return bool(_SECRET_WORDS.search(upper)) or upper.startswith(_SECRET_PREFIXES)
+
+
+def base_env_from(environ: Mapping[str, str]) -> dict[str, str]:
+    """The part of a process environment every engine inherits, sorted by name.
+
+    The agent passes its own environment through this, and so does
+    `llmgw engines command`, so what an operator is shown is what runs.
+    Allowed names that still look secret (NCCL_..._KEY, say) are dropped too.
+    """
+    kept = {
+        k: v
+        for k, v in environ.items()
+        if (k in BASE_ENV_NAMES or k.startswith(BASE_ENV_PREFIXES))
+        and not is_secret_name(k)
+        and "\0" not in v
+    }
+    return dict(sorted(kept.items()))

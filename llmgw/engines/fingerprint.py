@@ -1,85 +1,97 @@
 """A profile's fingerprint: which version of a profile a running shard was started from.
 
 The control plane stores it with each shard and rolls replicas whose
-fingerprint differs from the catalog's (design §3). It must change with every
-field that changes the launched process and with nothing else, so:
+fingerprint differs from the catalog's (design §3). It must change exactly
+when the launched processes or their placement would change (issue 8 item
+10: with kv_events off, a new KV hash seed changed it though no command did,
+and would have rolled every replica). So it is not a hash of profile fields
+but of what the adapter makes of them:
 
-- it hashes canonical JSON (sorted keys, no whitespace) of a fixed list of
-  fields, so dict order and the formatting of the document a profile came from
-  (YAML or JSON, indentation, key order) never change it;
-- list order counts where the engine sees it: args and adapters (an adapter's
-  index is its id in llama.cpp);
-- each arg is content, compared exactly: whitespace inside an arg counts
-  ("--x  1" as one argv element is another argument than "--x 1"), and args
-  are never re-split, since a profile holds an argv list, not a shell string;
-- secret values never enter it (editing a secret must not roll replicas, and
-  a hash of a low-entropy secret would leak it). The *names* of secret_env
-  variables do count, though design §3 keeps secret_env out: adding HF_TOKEN
-  changes the process's environment, and a name reveals nothing secret.
-- the profile's name does not count: renaming changes no process.
+- the commands (program, argv, complete environment, files) the engine's
+  adapter builds for every rank of the profile on one fixed, canonical
+  placement (`_canonical_spec`: fixed ports, GPU indices 0..n-1, fixed
+  addresses, an empty base environment), and
+- the placement requirements (GPU class, nodes, GPUs and threads per node,
+  MIG and uniformity constraints), which decide where those processes run.
 
-This module must NOT hash anything but the profile: placement (GPUs, ports)
-changes which shard runs where, not what a shard runs.
+"Equal" is therefore: equal commands and environments on that placement plus
+equal requirements. Secret values never enter it: the API key and every
+secret_env value are fixed placeholders, so editing a secret rolls nothing
+and no hash of a low-entropy secret leaks; secret_env *names* do count,
+since the process gets those variables. The profile's name does not count.
+Canonical JSON (sorted keys, no whitespace) keeps a YAML or JSON source's
+formatting and key order out of it. A property test over every adapter
+holds the rule (tests/engines/test_engines_fingerprint.py).
+
+This module must NOT hash placement choices (which GPUs, ports, nodes): they
+change where a shard runs, not what it runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict
 from typing import Any, NewType
 
-from llmgw.engines.spec import Profile
+from llmgw.engines.registry import reference_engine
+from llmgw.engines.requirements import placement_requirements
+from llmgw.engines.spec import Profile, ReplicaId, ShardId, ShardSpec
 
-__all__ = [
-    "FINGERPRINT_EXCLUDED",
-    "FINGERPRINT_FIELDS",
-    "ProfileFingerprint",
-    "profile_fingerprint",
-]
+__all__ = ["FINGERPRINT_VERSION", "ProfileFingerprint", "profile_fingerprint"]
 
 ProfileFingerprint = NewType("ProfileFingerprint", str)
 
-# Every Profile field is in exactly one of these two (a test holds it so), so
-# a new field forces a decision instead of silently staying out.
-FINGERPRINT_FIELDS = (
-    "engine",
-    "model_path",
-    "served_model_name",
-    "gpu_class",
-    "tp",
-    "pp",
-    "gpus_per_node",
-    "nodes",
-    "args",
-    "env",
-    "adapters",
-    "kv_events",
-    "threads",
-    "kv_hash",
-    "multinode_backend",
-)
-FINGERPRINT_EXCLUDED = ("name", "secret_env")
+# Bumped when this function changes on purpose, so the change shows as one.
+FINGERPRINT_VERSION = 2
+_API_KEY = "<api-key>"
+_SECRET = "<secret>"
+
+
+def _canonical_spec(profile: Profile, rank: int, gpus: int) -> ShardSpec:
+    nnodes = profile.num_nodes
+    multi = nnodes > 1
+    return ShardSpec(
+        replica_id=ReplicaId("fingerprint"),
+        shard_id=ShardId(f"fingerprint-{rank}"),
+        rank=rank,
+        nnodes=nnodes,
+        leader_addr="10.0.0.1" if multi else "",
+        leader_port=29500 if multi else 0,
+        gpu_indices=tuple(range(gpus)),
+        hcas=("mlx5_0",) if multi else (),
+        mgmt_interface="eth0" if multi else "",
+        fabric="ib:fingerprint" if multi else "",
+        http_port=8000,
+        profile=profile,
+        node_addr=f"10.0.0.{rank + 1}" if multi else "",
+        peer_addrs=tuple(f"10.0.0.{r + 1}" for r in range(nnodes)) if multi else (),
+        api_key=_API_KEY,
+        secret_env={name: _SECRET for name in profile.secret_env},
+        kv_events_port=5557 if profile.kv_events else 0,
+        runtime_dir="/run/llmgw/fingerprint",
+    )
 
 
 def _canonical(profile: Profile) -> dict[str, Any]:
-    dumped = profile.model_dump(mode="json")
-    view = {f: dumped[f] for f in FINGERPRINT_FIELDS}
-    # Spellings of one launch hash alike: pp 0 is PP 1, gpus_per_node 0 is
-    # TP x PP, an empty served name is the model path (spec.py).
-    view.update(
-        pp=profile.pp_degree,
-        nodes=profile.num_nodes,
-        gpus_per_node=profile.per_node,
-        served_model_name=profile.served_name,
-    )
-    view["secret_env_names"] = sorted(profile.secret_env)
-    # Versioned so a deliberate change of this function is visible as one.
-    view["v"] = 1
-    return view
+    engine = reference_engine(profile.engine)
+    req = placement_requirements(profile)
+    ranks = [
+        [
+            c.to_json_dict()
+            for c in engine.commands(_canonical_spec(profile, rank, req.gpus_per_node), base_env={})
+        ]
+        for rank in range(req.nodes)
+    ]
+    return {"v": FINGERPRINT_VERSION, "placement": asdict(req), "ranks": ranks}
 
 
 def profile_fingerprint(profile: Profile) -> ProfileFingerprint:
-    """Hex SHA-256 of the canonical JSON of the profile's launch-relevant fields."""
+    """Hex SHA-256 of the canonical commands and placement of the profile.
+
+    Raises SpecError for a profile its engine refuses: only a launchable
+    profile has a version worth recording.
+    """
     text = json.dumps(
         _canonical(profile), sort_keys=True, separators=(",", ":"), ensure_ascii=False
     )

@@ -46,9 +46,12 @@ class LlamaCpp(Engine):
     traits = EngineTraits(name="llamacpp", multi_node=False, cpu=True, kv_events=False)
     # 503 {"message": "Loading model"} while loading, 200 once ready.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    all_reserved = (
+        *_RESERVED,
+        ReservedFlag(_GPU_LAYERS, "a GPU class"),
+        ReservedFlag(_THREADS, "profile.threads"),
+    )
     falls_back_to_cpu = True
-    # llama.cpp's own parser matches flags exactly.
-    abbreviations = False
 
     def __init__(self, cfg: LlamaCppConfig | None = None) -> None:
         self._cfg = cfg or LlamaCppConfig()
@@ -97,11 +100,11 @@ class LlamaCpp(Engine):
             # CUDA_VISIBLE_DEVICES is empty as well, so a CUDA build cannot
             # reach for a GPU another shard holds.
             args += ["-ngl", "0"]
-        elif not has_flag(p.args, _GPU_LAYERS):
+        elif not has_flag(p.args, _GPU_LAYERS, self.syntax):
             # Every layer on the GPUs unless the profile offloads fewer; a
             # number rather than "all", which older builds do not accept.
             args += ["-ngl", "999"]
-        if spec.num_threads > 0 and not has_flag(p.args, _THREADS):
+        if spec.num_threads > 0 and not has_flag(p.args, _THREADS, self.syntax):
             args += ["--threads", str(spec.num_threads)]
         for a in p.adapters:
             # Repeated rather than comma-joined: older builds take one path per

@@ -48,10 +48,9 @@ class Megatron(Engine):
     metrics_path = None
     # 503 until the InferenceClient exists, then 200 {"ready": true}.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    all_reserved = _RESERVED
     authenticates = False
     supports_suspend = True
-    # Megatron's parser is built with allow_abbrev=False.
-    abbreviations = False
 
     def __init__(self, cfg: MegatronConfig | None = None) -> None:
         self._cfg = cfg or MegatronConfig()

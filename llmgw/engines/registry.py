@@ -6,7 +6,7 @@ or offered is configuration, decided by the operator and passed in.
 
 from __future__ import annotations
 
-from llmgw.engines.config import EnginesConfig
+from llmgw.engines.config import EnginesConfig, TRTLLMConfig
 from llmgw.engines.engine import Engine
 from llmgw.engines.llamacpp import LlamaCpp
 from llmgw.engines.megatron import Megatron
@@ -16,7 +16,7 @@ from llmgw.engines.trtllm import TRTLLM
 from llmgw.engines.vllm import VLLM
 from llmgw.errors import SpecError
 
-__all__ = ["ENGINE_NAMES", "EngineRegistry"]
+__all__ = ["ENGINE_NAMES", "EngineRegistry", "reference_engine"]
 
 ENGINE_NAMES = ("llamacpp", "megatron", "sglang", "sim", "trtllm", "vllm")
 
@@ -80,3 +80,14 @@ class EngineRegistry:
         """Point an engine at a build the agent installed; False if it takes none."""
         engine = self._engines.get(name)
         return engine.use_installed(path) if engine is not None else False
+
+
+# Every engine offered, programs by their plain names: what the control plane's
+# pure computations (fingerprints, placement requirements) read adapters as.
+# Never given installed paths, so nothing node-specific leaks into them.
+_REFERENCE = EngineRegistry(EnginesConfig(trtllm=TRTLLMConfig(serve_path="trtllm-serve")))
+
+
+def reference_engine(name: str) -> Engine:
+    """The adapter of engine `name` as every node would build it, or a SpecError."""
+    return _REFERENCE.get(name)

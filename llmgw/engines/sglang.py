@@ -57,9 +57,12 @@ class SGLang(Engine):
         # agent does not read yet.
         kv_events=False,
         dp_flags=("--dp-size", "--data-parallel-size", "--dp"),
+        # 0.5.23: with DP attention the DP ranks split the TP group's GPUs.
+        dp_within_tp_flags=("--enable-dp-attention",),
     )
     # 503 while ServerStatus.Starting, 200 once ready.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    all_reserved = _RESERVED
 
     def __init__(self, cfg: SGLangConfig | None = None) -> None:
         self._cfg = cfg or SGLangConfig()

@@ -38,6 +38,7 @@ class Sim(Engine):
     traits = EngineTraits(name="sim", multi_node=False, cpu=True, kv_events=True)
     # Unlike vLLM the simulator answers while "loading": 503, then 200.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    all_reserved = _RESERVED
     supports_suspend = True
 
     def __init__(self, cfg: SimConfig | None = None) -> None:

@@ -11,6 +11,7 @@ input that came from elsewhere is `parse_shard_spec`'s job, given the data.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,6 +32,7 @@ __all__ = [
     "ShardId",
     "ShardSpec",
     "describe_validation_error",
+    "hash_seed_problem",
     "is_valid_hash_seed",
     "parse_gpus",
     "parse_shard_spec",
@@ -43,11 +45,33 @@ MAX_HASH_SEED = 2**32 - 1
 def is_valid_hash_seed(seed: str) -> bool:
     """A seed Python accepts as PYTHONHASHSEED and llmgw accepts for KV hashing: 1..2**32-1,
     canonical decimal ("0" would also switch off Python's string-hash randomization)."""
-    return (
-        seed.isascii()
+    return hash_seed_problem(seed) is None
+
+
+def hash_seed_problem(seed: str) -> str | None:
+    """Why `seed` is no usable KV hash seed, or None when it is.
+
+    The one rule for the seed, used by every entry point that takes one (the
+    shard spec, the admin API, `llmgw kv hash`): Python refuses a
+    PYTHONHASHSEED that is not a decimal integer up to 2**32-1 before the
+    engine starts ("Fatal Python error: config_init_hash_seed"), "0" switches
+    off string-hash randomization, and vLLM hashes the *string*, so "042" and
+    "42" would seed Python alike but give different block hashes.
+    """
+    if (
+        isinstance(seed, str)
+        and seed.isascii()
         and seed.isdigit()
         and not seed.startswith("0")
         and int(seed) <= MAX_HASH_SEED
+    ):
+        return None
+    # The value is not quoted: a file given by mistake may hold a secret there.
+    return (
+        "is not a usable PYTHONHASHSEED: it must be a decimal integer from 1 to "
+        f"{MAX_HASH_SEED}, without leading zeros (Python refuses anything but an integer at "
+        "start-up, so the engine would never run; 0 would switch off its string-hash "
+        "randomization)"
     )
 
 
@@ -106,14 +130,23 @@ class KVHashParams(_Wire):
     @field_validator("seed")
     @classmethod
     def _python_accepts_it(cls, v: str) -> str:
-        if v and not is_valid_hash_seed(v):
-            raise ValueError(
-                f"kv_hash.seed {v!r} is not a usable PYTHONHASHSEED: it must be a decimal "
-                f"integer from 1 to {MAX_HASH_SEED}, without leading zeros (Python refuses "
-                "anything but an integer at start-up, so the engine would never run; 0 "
-                "would switch off its string-hash randomization)"
-            )
+        problem = hash_seed_problem(v) if v else None
+        if problem is not None:
+            raise ValueError(f"kv_hash.seed {problem}")
         return v
+
+
+# The admin API's flat KV hash fields, by the KVHashParams field each is.
+_ADMIN_KV_FIELDS = {
+    "kv_hash_seed": "seed",
+    "kv_block_size": "block_size",
+    "kv_hash_algo": "algorithm",
+    "kv_extra_key_format": "extra_key_format",
+}
+# What the admin API adds to a profile that no launch reads.
+_ADMIN_READ_ONLY = frozenset(
+    {"id", "version", "fingerprint", "created_at", "updated_at", "description", "secret_env_keys"}
+)
 
 
 class Profile(_Wire):
@@ -139,7 +172,11 @@ class Profile(_Wire):
     # write-only for admins and never part of a fingerprint.
     secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
     model_path: str = ""
-    # The name clients use, which need not match the path; empty means the path.
+    # The model's name in the catalog: what clients send as "model", so what
+    # the engine answers to unless served_model_name says otherwise.
+    model: str = ""
+    # The name clients use; empty means the model's name (the admin API's
+    # meaning), and only a spec that names no model falls back to the path.
     served_model_name: str = ""
     # In order: an adapter's index is the id llama.cpp applies it by.
     adapters: tuple[Adapter, ...] = ()
@@ -151,9 +188,39 @@ class Profile(_Wire):
     kv_hash: KVHashParams = Field(default_factory=KVHashParams)
     multinode_backend: MultinodeBackend = "ray"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _admin_api_document(cls, data: Any) -> Any:
+        """Accept a profile as the admin API returns it, so one can be pasted into a spec.
+
+        The API stores the KV hash parameters flat (kv_hash_seed, ...) and adds
+        read-only fields; a typo still fails, as every other unknown key does.
+        """
+        if not isinstance(data, dict):
+            return data
+        flat = {k: data[k] for k in _ADMIN_KV_FIELDS if k in data}
+        if not flat and not any(k in data for k in _ADMIN_READ_ONLY):
+            return data
+        out = {
+            k: v for k, v in data.items() if k not in _ADMIN_KV_FIELDS and k not in _ADMIN_READ_ONLY
+        }
+        if flat:
+            if "kv_hash" in data:
+                raise ValueError(
+                    f"give the KV hash parameters once: kv_hash or the admin API's "
+                    f"{', '.join(sorted(flat))}, not both"
+                )
+            out["kv_hash"] = {_ADMIN_KV_FIELDS[k]: v for k, v in flat.items()}
+        keys = data.get("secret_env_keys")
+        if isinstance(keys, list) and "secret_env" not in data:
+            # Names only (references are write-only): they still count, as
+            # the process gets these variables.
+            out["secret_env"] = {str(k): "" for k in keys}
+        return out
+
     @property
     def served_name(self) -> str:
-        return self.served_model_name or self.model_path
+        return self.served_model_name or self.model or self.model_path
 
     @property
     def pp_degree(self) -> int:
@@ -291,11 +358,23 @@ class GPUInfo(_Wire):
         return self.index >= 1000 or " MIG " in f" {self.name} "
 
 
+_PRINTABLE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+
+
+def _loc_part(part: object) -> str:
+    # A key of the document is content: a file given by mistake (a password
+    # file read as YAML) turns its lines into keys. Field-name-like keys are
+    # named; anything else is not echoed.
+    if isinstance(part, int) or (isinstance(part, str) and _PRINTABLE_KEY.fullmatch(part)):
+        return str(part)
+    return "<key not shown>"
+
+
 def describe_validation_error(what: str, err: ValidationError) -> str:
-    """One line per problem, each naming the field path, for people to read."""
+    """One line per problem, each naming the field path (never the value), for people."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(_loc_part(p) for p in e["loc"]) or "(top level)"
         parts.append(f"{loc}: {e['msg']}")
     return f"{what} is invalid: " + "; ".join(parts)
 

@@ -40,9 +40,11 @@ class TRTLLM(Engine):
     # uvicorn serves only after the LLM is built: loading is a refused
     # connection (or a hang), never a status code.
     readiness = Readiness(loading_statuses=frozenset())
+    all_reserved = (*_RESERVED, ReservedFlag(_OPTIONS, "profile.adapters"))
     authenticates = False
-    # click matches option names exactly.
-    abbreviations = False
+    # mpirun -x copies the leader's CUDA_VISIBLE_DEVICES and NCCL_IB_HCA to
+    # every rank (see _commands): placement gives every node the same ones.
+    uniform_ranks = True
 
     def __init__(self, cfg: TRTLLMConfig | None = None) -> None:
         self._cfg = cfg or TRTLLMConfig()
@@ -127,10 +129,11 @@ class TRTLLM(Engine):
                 field="peer_addrs",
             )
         hosts = ",".join(f"{a}:{p.per_node}" for a in spec.peer_addrs)
-        # -x exports the leader's values to every rank, so this assumes nodes
-        # alike (GPU indices, HCA and interface names), as placement within
-        # one fabric of uniform nodes gives them. Only generated and profile
-        # variables are exported, not the agent's whole environment.
+        # -x exports the leader's values to every rank, so every node must have
+        # the leader's GPU indices, HCA and interface names: placement honours
+        # it (PlacementRequirements.same_gpu_indices_across_nodes) and
+        # check_replica_specs refuses a replica that breaks it. Only generated
+        # and profile variables are exported, not the agent's whole environment.
         exports = [arg for name in sorted(generated) for arg in ("-x", name)]
         args = (
             "-np",

@@ -15,11 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmgw.engines.env import unsafe_env_reason
-from llmgw.engines.flags import flag_value, has_flag
+from llmgw.engines.flags import FlagSyntax, flag_value, has_flag, syntax_for
 from llmgw.engines.spec import GPUInfo, Profile
 from llmgw.errors import SpecError
 
-__all__ = ["EngineTraits", "validate_common", "validate_spec_fits"]
+__all__ = [
+    "EngineTraits",
+    "data_parallel_size",
+    "gpus_per_shard",
+    "validate_common",
+    "validate_spec_fits",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +39,17 @@ class EngineTraits:
     # Flags that set data parallelism, whose size multiplies the GPUs and,
     # for vLLM, shifts KV event ports per rank.
     dp_flags: tuple[str, ...] = ()
+    # Flags that put the DP ranks inside the TP group instead (SGLang's DP
+    # attention): data parallelism then needs no GPUs of its own.
+    dp_within_tp_flags: tuple[str, ...] = ()
     quantization_flags: tuple[str, ...] = ("--quantization",)
     dtype_flags: tuple[str, ...] = ("--dtype",)
     # Flags that switch the model to bf16 on their own (Megatron's --bf16).
     bf16_flags: tuple[str, ...] = ()
+
+    @property
+    def syntax(self) -> FlagSyntax:
+        return syntax_for(self.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +122,52 @@ def _check_capability(
         )
 
 
+def data_parallel_size(profile: Profile, traits: EngineTraits) -> int:
+    """The data-parallel degree the profile's args give the engine (1 when none).
+
+    Read in every spelling the engine's parser takes (`--data-parallel-si 2`
+    under argparse): a spelling missed here is a shard placed on a quarter of
+    the GPUs it starts on, crash-looping (issue 8 item 11).
+    """
+    if not traits.dp_flags:
+        return 1
+    text = flag_value(profile.args, traits.dp_flags, traits.syntax)
+    if text is None or text.strip() == "":
+        return 1
+    try:
+        dp = int(text.strip())
+    except ValueError:
+        raise _fail(
+            profile,
+            f"data-parallel size {text!r} is not an integer; give {traits.dp_flags[0]} a "
+            f"whole number of ranks",
+            "args",
+        ) from None
+    if dp < 1:
+        raise _fail(profile, f"data-parallel size {dp} must be 1 or more", "args")
+    return dp
+
+
+def _dp_gpu_factor(profile: Profile, traits: EngineTraits) -> int:
+    dp = data_parallel_size(profile, traits)
+    if (
+        dp > 1
+        and traits.dp_within_tp_flags
+        and has_flag(profile.args, traits.dp_within_tp_flags, traits.syntax)
+    ):
+        return 1
+    return dp
+
+
+def gpus_per_shard(profile: Profile, traits: EngineTraits) -> int:
+    """The GPUs one shard holds: gpus_per_node, or TP x PP x DP on one node; 0 on CPU."""
+    if profile.cpu_only:
+        return 0
+    if profile.gpus_per_node > 0:
+        return profile.gpus_per_node
+    return profile.tp * profile.pp_degree * _dp_gpu_factor(profile, traits)
+
+
 def _check_parallelism(profile: Profile, traits: EngineTraits) -> None:
     if profile.tp <= 0:
         raise _fail(profile, f"tp is {profile.tp}; tensor parallel degree must be 1 or more", "tp")
@@ -122,11 +181,26 @@ def _check_parallelism(profile: Profile, traits: EngineTraits) -> None:
             f"each node gives the replica",
             "gpus_per_node",
         )
-    if profile.per_node * nodes != profile.tp * profile.pp_degree:
+    factor = _dp_gpu_factor(profile, traits)
+    if factor > 1 and nodes > 1:
+        # A DP group across nodes needs per-node ranks, addresses and RPC ports
+        # that placement does not hand out: replicas are llmgw's data parallelism.
         raise _fail(
             profile,
-            f"{nodes} nodes x {profile.per_node} GPUs = {profile.per_node * nodes} does not "
-            f"match TP {profile.tp} x PP {profile.pp_degree} = {profile.tp * profile.pp_degree}",
+            f"data parallelism {factor} across {nodes} nodes is refused: llmgw places a "
+            f"data-parallel group on one node; use nodes 1, or more replicas instead",
+            "args",
+        )
+    world = profile.tp * profile.pp_degree * factor
+    # A CPU profile's one process stands for its one "GPU" here; _check_cpu
+    # holds it to TP = PP = 1.
+    per_node = profile.gpus_per_node if profile.gpus_per_node > 0 else world
+    if per_node * nodes != world:
+        dp_text = f" x DP {factor}" if factor > 1 else ""
+        raise _fail(
+            profile,
+            f"{nodes} nodes x {per_node} GPUs = {per_node * nodes} does not "
+            f"match TP {profile.tp} x PP {profile.pp_degree}{dp_text} = {world}",
             "gpus_per_node",
         )
     if nodes > 1 and not traits.multi_node:
@@ -158,10 +232,11 @@ def _check_gpus(profile: Profile, gpus: Sequence[GPUInfo], traits: EngineTraits)
     warnings: list[str] = []
     if not gpus:
         return warnings
-    if len(gpus) < profile.per_node:
+    need = gpus_per_shard(profile, traits)
+    if len(gpus) < need:
         raise _fail(
             profile,
-            f"needs {profile.per_node} GPUs per node, the node has {len(gpus)}",
+            f"needs {need} GPUs per node, the node has {len(gpus)}",
             "gpus_per_node",
         )
     # A tensor-parallel group must be uniform: the slowest card sets the pace
@@ -177,21 +252,23 @@ def _check_gpus(profile: Profile, gpus: Sequence[GPUInfo], traits: EngineTraits)
             )
     # One CUDA process enumerates one MIG instance, and NCCL has no P2P across
     # instances: a slice holds a whole TP = PP = 1 replica or nothing.
-    if any(g.mig for g in gpus) and profile.tp * profile.pp_degree > 1:
+    if any(g.mig for g in gpus) and need > 1:
+        dp = _dp_gpu_factor(profile, traits)
         raise _fail(
             profile,
             f"MIG instances run TP = PP = 1 only, the profile has TP {profile.tp} x "
-            f"PP {profile.pp_degree}; use whole GPUs or a single-GPU profile",
+            f"PP {profile.pp_degree}{f' x DP {dp}' if dp > 1 else ''}; use whole GPUs or a "
+            f"single-GPU profile",
             "tp",
         )
-    quant = flag_value(profile.args, traits.quantization_flags)
+    quant = flag_value(profile.args, traits.quantization_flags, traits.syntax)
     if quant is not None and quant.lower() in _QUANTIZATION:
         _check_capability(
             profile, gpus, _QUANTIZATION[quant.lower()], f"quantization {quant!r}", warnings
         )
-    dtype = flag_value(profile.args, traits.dtype_flags)
+    dtype = flag_value(profile.args, traits.dtype_flags, traits.syntax)
     if (dtype is not None and dtype.lower() in ("bfloat16", "bf16")) or has_flag(
-        profile.args, traits.bf16_flags
+        profile.args, traits.bf16_flags, traits.syntax
     ):
         _check_capability(profile, gpus, _BF16, "dtype bf16", warnings)
     return warnings
@@ -237,8 +314,8 @@ def _check_kv_events(profile: Profile, traits: EngineTraits) -> None:
             f'{seed!r} (empty and "0" are refused)',
             "kv_hash.seed",
         )
-    dp = flag_value(profile.args, traits.dp_flags) if traits.dp_flags else None
-    if dp is not None and dp.strip() not in ("", "1"):
+    dp = data_parallel_size(profile, traits)
+    if dp > 1:
         # vLLM adds the DP rank to both event ports, so ranks above 0 would
         # publish where the agent is not listening.
         raise _fail(
@@ -268,6 +345,7 @@ def validate_common(profile: Profile, gpus: Sequence[GPUInfo], traits: EngineTra
     """Raise SpecError if the profile cannot work on these GPUs; return warnings."""
     if not profile.model_path:
         raise _fail(profile, "model_path is empty; set it to the model's path or id", "model_path")
+
     for i, arg in enumerate(profile.args):
         if "\0" in arg:
             raise _fail(profile, f"args[{i}] holds a NUL character, which exec refuses", "args")
@@ -283,7 +361,9 @@ def validate_common(profile: Profile, gpus: Sequence[GPUInfo], traits: EngineTra
     return warnings
 
 
-def validate_spec_fits(profile: Profile, *, rank: int, nnodes: int, num_gpus: int) -> None:
+def validate_spec_fits(
+    profile: Profile, traits: EngineTraits, *, rank: int, nnodes: int, num_gpus: int
+) -> None:
     """Refuse a shard spec that contradicts its own profile, before building commands."""
     if nnodes != profile.num_nodes:
         raise _fail(
@@ -293,7 +373,7 @@ def validate_spec_fits(profile: Profile, *, rank: int, nnodes: int, num_gpus: in
         )
     if rank >= nnodes:
         raise _fail(profile, f"shard rank {rank} is not below nnodes {nnodes}", "nodes")
-    want = 0 if profile.cpu_only else profile.per_node
+    want = gpus_per_shard(profile, traits)
     if num_gpus != want:
         raise _fail(
             profile,

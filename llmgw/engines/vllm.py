@@ -40,6 +40,25 @@ _ALWAYS = (
     ReservedFlag(("--distributed-executor-backend",), "profile.multinode_backend"),
     # A config file can set any flag above where no check sees it.
     ReservedFlag(("--config",), "profile.args (flags, one per element)"),
+    # A data-parallel group spread over nodes needs per-node ranks, addresses
+    # and RPC ports placement does not give; one node's group is
+    # --data-parallel-size alone, counted into the shard's GPUs.
+    ReservedFlag(
+        ("--data-parallel-size-local", "-dpl"),
+        "--data-parallel-size on one node, or more replicas",
+    ),
+    ReservedFlag(
+        ("--data-parallel-start-rank", "-dpr"),
+        "--data-parallel-size on one node, or more replicas",
+    ),
+    ReservedFlag(
+        ("--data-parallel-address", "-dpa"),
+        "--data-parallel-size on one node, or more replicas",
+    ),
+    ReservedFlag(
+        ("--data-parallel-rpc-port", "-dpp"),
+        "--data-parallel-size on one node, or more replicas",
+    ),
 )
 _KV_EVENTS = (
     ReservedFlag(("--block-size",), "profile.kv_hash.block_size"),
@@ -58,6 +77,7 @@ class VLLM(Engine):
         quantization_flags=("--quantization", "-q"),
     )
     readiness = Readiness(loading_statuses=frozenset())
+    all_reserved = (*_ALWAYS, *_KV_EVENTS)
 
     def __init__(self, cfg: VLLMConfig | None = None) -> None:
         self._cfg = cfg or VLLMConfig()

@@ -279,6 +279,15 @@ def _int(value: object, where: str) -> int:
     return value
 
 
+def _block_size(value: object) -> int:
+    # 0 is what offloaded (CPU-medium) blocks carry; a negative size is no
+    # engine's, and would make token_ids / block_size arithmetic lie downstream.
+    size = _int(value, "BlockStored.block_size")
+    if size < 0:
+        raise _fail(f"BlockStored.block_size is {size}, expected 0 or more")
+    return size
+
+
 def _opt_int(value: object, where: str) -> int | None:
     return None if value is None else _int(value, where)
 
@@ -355,7 +364,7 @@ def _stored(f: Sequence[object], keep_bytes: bool) -> BlockStored:
         if parent is None
         else _hash(parent, "BlockStored.parent_block_hash", keep_bytes),
         token_ids=_ints(f[2], "BlockStored.token_ids"),
-        block_size=_int(f[3], "BlockStored.block_size"),
+        block_size=_block_size(f[3]),
         lora_id=_opt_int(f[4], "BlockStored.lora_id"),
         medium=_opt_str(f[5], "BlockStored.medium"),
         lora_name=_opt_str(f[6], "BlockStored.lora_name"),

@@ -20,9 +20,9 @@ anything of llmgw's but ``llmgw.errors`` via ``llmgw.kv.errors``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal, NewType
 
@@ -343,9 +343,29 @@ class BlockHasher:
         return out
 
 
-_HASHERS: OrderedDict[tuple[object, ...], BlockHasher] = OrderedDict()
 # Few parameter sets are live at once (one per model and LoRA); each memo is ~2 MB at most.
 _HASHERS_MAX = 16
+
+
+@functools.lru_cache(maxsize=_HASHERS_MAX, typed=True)
+def _hasher(
+    block_size: int,
+    seed: str | None,
+    lora_name: str | None,
+    lora_path: str | None,
+    cache_salt: str | None,
+    extra_key_format: ExtraKeyFormat,
+) -> BlockHasher:
+    # Least recently used goes first: a busy tenant's hasher (and its warm memo) stays. A
+    # constructor error is not cached (lru_cache stores only returned values).
+    return BlockHasher(
+        block_size,
+        seed=seed,
+        lora_name=lora_name,
+        lora_path=lora_path,
+        cache_salt=cache_salt,
+        extra_key_format=extra_key_format,
+    )
 
 
 def block_hashes(
@@ -362,12 +382,11 @@ def block_hashes(
 
     Reuses a cached ``BlockHasher`` per parameter set, so repeated prefixes hit its memo.
     """
-    key = (block_size, seed, lora_name, lora_path, cache_salt, extra_key_format)
-    hasher = _HASHERS.get(key)
-    if hasher is not None:
-        # Least recently used goes first: a busy tenant's hasher (and its warm memo) stays.
-        _HASHERS.move_to_end(key)
-    else:
+    try:
+        hasher = _hasher(block_size, seed, lora_name, lora_path, cache_salt, extra_key_format)
+    except TypeError:
+        # An unhashable parameter (a list for a seed, say) cannot key the cache: build one so
+        # the constructor reports it as the KVError it is.
         hasher = BlockHasher(
             block_size,
             seed=seed,
@@ -376,7 +395,4 @@ def block_hashes(
             cache_salt=cache_salt,
             extra_key_format=extra_key_format,
         )
-        _HASHERS[key] = hasher
-        if len(_HASHERS) > _HASHERS_MAX:
-            _HASHERS.popitem(last=False)
     return hasher.hashes(token_ids)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmgw.errors import ConfigError
 from llmgw.kv.hashing import ExtraKeyFormat
+from llmgw.simengine.limits import DEFAULT_MAX_BODY_BYTES
 from llmgw.simengine.scheduler import SchedulerConfig
 from llmgw.simengine.timing import TimingModel
 
@@ -128,6 +129,8 @@ class SimEngineConfig:
     hash_seed: str | None = None
     # SIMENGINE_API_KEY; None = /v1 is open.
     api_key: str | None = None
+    # --max-body-bytes: larger request bodies are refused 413 (limits.py says why and how).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         names = [self.served_model_name, *(m.name for m in self.lora_modules)]
@@ -140,6 +143,14 @@ class SimEngineConfig:
             )
         if self.load_time_s < 0:
             raise ConfigError(f"--load-time-s {self.load_time_s} is negative", field="load_time_s")
+        if self.max_body_bytes < 1024:
+            # Below 1 KiB even a one-line chat request (model, messages, headers' worth of
+            # options) would be refused.
+            raise ConfigError(
+                f"--max-body-bytes {self.max_body_bytes} is below 1024; a request body needs "
+                "at least that much room",
+                field="max_body_bytes",
+            )
 
     def lora_id(self, name: str) -> int | None:
         """vLLM's integer id for an adapter: its place in --lora-modules, counting from 1."""

@@ -40,6 +40,7 @@ __all__ = [
     "GenerationParams",
     "RequestStream",
     "SimEngine",
+    "context_length_error",
 ]
 
 _log = get_logger(__name__)
@@ -57,6 +58,15 @@ class EngineDeadError(LlmgwError):
     code = "engine-dead"
 
 
+def context_length_error(max_model_len: int, num_prompt: int, field: str) -> SpecError:
+    """vLLM's refusal of a prompt that leaves no room for output, naming the prompt's field."""
+    return SpecError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your request "
+        f"has {num_prompt} input tokens. Please reduce the length of the input {field}.",
+        field=field,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
     prompt_token_ids: tuple[int, ...]
@@ -67,6 +77,10 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     lora_name: str | None = None
     cache_salt: str | None = None
+    min_tokens: int | None = None
+    # The request fields errors name: "messages" for chat, "max_completion_tokens" when sent.
+    prompt_field: str = "prompt"
+    max_tokens_field: str = "max_tokens"
 
 
 class RequestStream:
@@ -173,15 +187,8 @@ class SimEngine:
             raise EngineDeadError("the engine's step loop failed; see its log, then restart it")
         if not self.ready:
             raise EngineLoadingError("the engine is loading its model; retry when /health is 200")
-        cfg = self.config.scheduler
         prompt = params.prompt_token_ids
-        room = cfg.max_model_len - len(prompt)
-        if params.max_tokens is None and room < 1:
-            raise SpecError(
-                f"the prompt has {len(prompt)} tokens, which leaves no room for output within "
-                f"max_model_len {cfg.max_model_len}; shorten the prompt",
-                field="prompt",
-            )
+        room = self._check_limits(params)
         output = self.sampler.sample(
             prompt,
             max_tokens=params.max_tokens,
@@ -208,6 +215,43 @@ class SimEngine:
         self._streams[request_id] = stream
         self._wake.set()
         return stream
+
+    def _check_limits(self, params: GenerationParams) -> int:
+        """Refuse what could never run BEFORE any output is drawn; the room left for output.
+
+        Sampling materialises the output (the scheduler hashes decode blocks from it), so a
+        limit checked after it is no limit: max_tokens=1e9 built a 23.5 GB output before
+        max_model_len was compared, and the kernel killed the engine. The checks and their
+        wording are vLLM's (serving_engine._validate_input), so clients see the same 400s.
+        """
+        limit = self.config.scheduler.max_model_len
+        num_prompt = len(params.prompt_token_ids)
+        if num_prompt >= limit:
+            raise context_length_error(limit, num_prompt, params.prompt_field)
+        room = limit - num_prompt
+        max_tokens = params.max_tokens
+        name = params.max_tokens_field
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise SpecError(f"{name} must be at least 1, got {max_tokens}.", field=name)
+            if max_tokens > room:
+                raise SpecError(
+                    f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                    f"model's maximum context length is {limit} tokens and your request has "
+                    f"{num_prompt} input tokens ({max_tokens} > {limit} - {num_prompt}).",
+                    field=name,
+                )
+            # Fits the context, but perhaps not the cache: refused here too, before sampling.
+            self.scheduler.check_fits(num_prompt, max_tokens, output_field=name)
+        if params.min_tokens is not None:
+            ceiling = room if max_tokens is None else max_tokens
+            if params.min_tokens > ceiling:
+                raise SpecError(
+                    f"min_tokens must be less than or equal to max_tokens={ceiling}, "
+                    f"got {params.min_tokens}.",
+                    field="min_tokens",
+                )
+        return room
 
     def abort(self, stream: RequestStream) -> None:
         """Drop a request (client gone) and free its blocks; a no-op once it finished."""

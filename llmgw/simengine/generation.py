@@ -5,8 +5,11 @@ Measured with bench/simengine.py (256 x 128 tokens, this machine): the same
 pre-encoded chunks through FastAPI's StreamingResponse cost 42 us/token on
 h11 and 36 on httptools+uvloop; this raw handler 37 and 29-34. Both meet the
 target; the raw route keeps ~15% in reserve and lets the handler own
-disconnect handling. It validates the body once with pydantic, then writes
-each step's pre-encoded chunks in one `send`. A task
+disconnect handling. It reads the body under --max-body-bytes (limits.py),
+validates it once with pydantic, then writes each step's pre-encoded chunks
+in one `send`. Bodies over `OFFLOAD_BODY_BYTES` are parsed and tokenized on
+a worker thread: tokenizing is a Python loop, and a prompt of a few MB held
+the event loop, and every open stream with it, for seconds. A task
 per request watches for `http.disconnect` (uvicorn silently drops writes to
 a closed connection, so only `receive` reveals a gone client) and aborts the
 request, which frees its blocks: a gateway that gave up on a request must
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -41,6 +43,14 @@ from llmgw.simengine.engine import (
     GenerationParams,
     RequestStream,
     SimEngine,
+    context_length_error,
+)
+from llmgw.simengine.limits import (
+    OFFLOAD_BODY_BYTES,
+    BodyTooLargeError,
+    asgi_body_chunks,
+    parse_json_body,
+    read_capped_body,
 )
 from llmgw.simengine.openai_wire import ResponseEncoder, error_body, usage_dict
 from llmgw.simengine.tokenizer import Tokenizer
@@ -54,6 +64,7 @@ __all__ = [
     "authorized",
     "chat_token_ids",
     "resolve_model",
+    "spec_error_of",
     "status_of",
     "unauthorized_body",
     "validation_message",
@@ -83,6 +94,8 @@ def status_of(exc: LlmgwError) -> int:
         return 404
     if isinstance(exc, ConflictError):
         return 409
+    if isinstance(exc, BodyTooLargeError):
+        return 413
     if isinstance(exc, SpecError | ValueError):
         return 400
     return 500
@@ -90,8 +103,17 @@ def status_of(exc: LlmgwError) -> int:
 
 def validation_message(exc: _HasErrors) -> str:
     return "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()
+        f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg', '')}"
+        for e in exc.errors()
     )
+
+
+def spec_error_of(exc: ValidationError) -> SpecError:
+    """A pydantic error as a 400 whose `param` is the first offending top-level field."""
+    errors = exc.errors(include_url=False)
+    loc = errors[0].get("loc", ()) if errors else ()
+    field = str(loc[0]) if loc else None
+    return SpecError(validation_message(exc), field=field)
 
 
 class GenerationRoutes:
@@ -100,6 +122,7 @@ class GenerationRoutes:
     def __init__(self, engine: SimEngine) -> None:
         self._engine = engine
         self._api_key = engine.config.api_key
+        self._max_body = engine.config.max_body_bytes
         self._routes: dict[str, Literal["completion", "chat"]] = {
             "/v1/completions": "completion",
             "/v1/chat/completions": "chat",
@@ -116,22 +139,14 @@ class GenerationRoutes:
         if self._api_key is not None and not authorized(scope, self._api_key):
             await _reply(send, 401, unauthorized_body())
             return
-        body = await _read_body(receive)
         try:
-            data = json.loads(body)
-            request: CompletionRequest | ChatCompletionRequest = (
-                CompletionRequest.model_validate(data)
-                if kind == "completion"
-                else ChatCompletionRequest.model_validate(data)
+            body = await read_capped_body(
+                asgi_body_chunks(receive), scope.get("headers", ()), self._max_body
             )
-        except ValidationError as exc:
-            await _reply(send, 400, error_body(validation_message(exc), status=400))
-            return
-        except ValueError as exc:
-            await _reply(send, 400, error_body(f"request body is not JSON: {exc}", status=400))
-            return
-        try:
-            model, params = _generation_params(self._engine, kind, request)
+            if len(body) > OFFLOAD_BODY_BYTES:
+                request, model, params = await asyncio.to_thread(self._prepare, kind, body)
+            else:
+                request, model, params = self._prepare(kind, body)
             stream = self._engine.submit(params)
         except LlmgwError as exc:
             status = status_of(exc)
@@ -151,6 +166,28 @@ class GenerationRoutes:
                 await self._complete(send, stream, encoder)
         finally:
             watcher.cancel()
+
+    def _prepare(
+        self, kind: Literal["completion", "chat"], body: bytes
+    ) -> tuple[CompletionRequest | ChatCompletionRequest, str, GenerationParams]:
+        """Body -> validated request and its tokens. Pure and thread-safe (it may run off the
+        loop): it reads the engine's config and tokenizer, never its scheduler."""
+        data = parse_json_body(body)
+        try:
+            request: CompletionRequest | ChatCompletionRequest = (
+                CompletionRequest.model_validate(data)
+                if kind == "completion"
+                else ChatCompletionRequest.model_validate(data)
+            )
+        except ValidationError as exc:
+            raise spec_error_of(exc) from None
+        request.check()
+        try:
+            model, params = _generation_params(self._engine, kind, request)
+        except RecursionError:
+            # Depth is capped before parsing; this keeps any recursion left a 400, never a 500.
+            raise SpecError("the request nests too deeply to render; flatten it") from None
+        return request, model, params
 
     async def _watch_disconnect(self, receive: Receive, stream: RequestStream) -> None:
         while True:
@@ -247,21 +284,39 @@ def resolve_model(engine: SimEngine, name: str | None) -> tuple[str, str | None]
 def chat_token_ids(
     tokenizer: Tokenizer, chat: ChatCompletionRequest | TokenizeChatRequest
 ) -> list[int]:
-    """The tokens a chat request is cached under. `/tokenize` and chat completions both call
-    this, so a router that tokenizes a conversation gets exactly what the engine caches."""
-    text = render_chat(
+    """The tokens a chat request is cached under. `/tokenize` and chat completions both render
+    through `_chat_text`, so a router that tokenizes a conversation gets exactly what the
+    engine caches."""
+    return tokenizer.tokenize(_chat_text(chat), add_special_tokens=chat.add_special_tokens)
+
+
+def _chat_text(chat: ChatCompletionRequest | TokenizeChatRequest) -> str:
+    return render_chat(
         chat.messages,
         add_generation_prompt=chat.add_generation_prompt,
         continue_final_message=chat.continue_final_message,
         tools=chat.tools,
     )
-    return tokenizer.tokenize(text, add_special_tokens=chat.add_special_tokens)
+
+
+def _prompt_ids(
+    tokenizer: Tokenizer, text: str, *, add_special_tokens: bool, max_model_len: int, field: str
+) -> list[int]:
+    """The prompt's ids, refused as vLLM would once they leave no room for output: a prompt
+    past the limit is counted, never held in full (see Tokenizer.tokenize_within)."""
+    ids, count = tokenizer.tokenize_within(
+        text, add_special_tokens=add_special_tokens, limit=max_model_len - 1
+    )
+    if ids is None:
+        raise context_length_error(max_model_len, count, field)
+    return ids
 
 
 def _generation_params(
     engine: SimEngine, kind: str, request: CompletionRequest | ChatCompletionRequest
 ) -> tuple[str, GenerationParams]:
     model, lora_name = resolve_model(engine, request.model)
+    max_model_len = engine.config.scheduler.max_model_len
     if request.n not in (None, 1):
         raise SpecError(f"n={request.n}: the simulator generates one choice; send n=1", field="n")
     tokenizer = engine.tokenizer
@@ -277,21 +332,43 @@ def _generation_params(
                 )
             prompt = prompt[0]
         if isinstance(prompt, str):
-            token_ids = tokenizer.tokenize(prompt, add_special_tokens=request.add_special_tokens)
+            token_ids = _prompt_ids(
+                tokenizer,
+                prompt,
+                add_special_tokens=request.add_special_tokens,
+                max_model_len=max_model_len,
+                field="prompt",
+            )
         else:
             token_ids = list(prompt)  # type: ignore[arg-type]
-            bad = [t for t in token_ids if not 0 <= t < tokenizer.vocab_size]
+            # An overlong id list is refused by length (engine.submit) without scanning it all.
+            bad = (
+                [t for t in token_ids if not 0 <= t < tokenizer.vocab_size]
+                if len(token_ids) < max_model_len
+                else []
+            )
             if bad:
                 raise SpecError(
                     f"prompt token ids {bad[:5]} are outside the vocabulary (0..{tokenizer.vocab_size - 1})",
                     field="prompt",
                 )
         max_tokens = request.max_tokens
+        prompt_field, max_tokens_field = "prompt", "max_tokens"
     else:
-        token_ids = chat_token_ids(tokenizer, request)
-        max_tokens = request.max_completion_tokens or request.max_tokens
-    if max_tokens is not None and max_tokens < 1:
-        raise SpecError(f"max_tokens={max_tokens} must be at least 1", field="max_tokens")
+        prompt_field = "messages"
+        token_ids = _prompt_ids(
+            tokenizer,
+            _chat_text(request),
+            add_special_tokens=request.add_special_tokens,
+            max_model_len=max_model_len,
+            field=prompt_field,
+        )
+        # vLLM prefers max_completion_tokens; `is not None`, not `or`: a 0 there is an error to
+        # report, not a reason to fall back to max_tokens.
+        if request.max_completion_tokens is not None:
+            max_tokens, max_tokens_field = request.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_tokens_field = request.max_tokens, "max_tokens"
     return model, GenerationParams(
         prompt_token_ids=tuple(token_ids),
         max_tokens=max_tokens,
@@ -301,19 +378,10 @@ def _generation_params(
         stop_token_ids=tuple(request.stop_token_ids or ()),
         lora_name=lora_name,
         cache_salt=request.cache_salt or None,
+        min_tokens=request.min_tokens,
+        prompt_field=prompt_field,
+        max_tokens_field=max_tokens_field,
     )
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
 
 
 async def _reply(send: Send, status: int, body: bytes) -> None:

@@ -16,8 +16,8 @@ Must NOT schedule or sample: that is engine.py and the pure core.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -44,10 +44,12 @@ from llmgw.simengine.generation import (
     authorized,
     chat_token_ids,
     resolve_model,
+    spec_error_of,
     status_of,
     unauthorized_body,
     validation_message,
 )
+from llmgw.simengine.limits import OFFLOAD_BODY_BYTES, parse_json_body, read_capped_body
 from llmgw.simengine.openai_wire import error_body
 
 __all__ = ["build_app"]
@@ -154,32 +156,59 @@ def build_app(engine: SimEngine) -> ASGIApp:
             )
         return {"object": "list", "data": data}
 
-    @api.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        data = await _json_body(request)
+    async def json_body(request: Request) -> tuple[Any, bool]:
+        """The parsed body under the same caps as generation, and whether it is large enough
+        that the work on it belongs on a worker thread."""
+        body = await read_capped_body(
+            request.stream(), request.scope.get("headers", ()), config.max_body_bytes
+        )
+        large = len(body) > OFFLOAD_BODY_BYTES
+        data = await asyncio.to_thread(parse_json_body, body) if large else parse_json_body(body)
+        return data, large
+
+    # The sync halves return rendered responses: encoding millions of token ids is work that
+    # belongs on the worker thread too.
+    def tokenize_sync(data: Any) -> Response:
         tokenizer = engine.tokenizer
         if isinstance(data, dict) and "messages" in data:
             chat = _validate(TokenizeChatRequest, data)
             resolve_model(engine, chat.model)
-            tokens = chat_token_ids(tokenizer, chat)
+            try:
+                tokens = chat_token_ids(tokenizer, chat)
+            except RecursionError:
+                raise SpecError("the request nests too deeply to render; flatten it") from None
             want_strs = chat.return_token_strs
         else:
             plain = _validate(TokenizeCompletionRequest, data)
             resolve_model(engine, plain.model)
             tokens = tokenizer.tokenize(plain.prompt, add_special_tokens=plain.add_special_tokens)
             want_strs = plain.return_token_strs
-        return {
-            "count": len(tokens),
-            "max_model_len": config.scheduler.max_model_len,
-            "tokens": tokens,
-            "token_strs": [tokenizer.piece(t) for t in tokens] if want_strs else None,
-        }
+        return JSONResponse(
+            {
+                "count": len(tokens),
+                "max_model_len": config.scheduler.max_model_len,
+                "tokens": tokens,
+                "token_strs": [tokenizer.piece(t) for t in tokens] if want_strs else None,
+            }
+        )
+
+    def detokenize_sync(data: Any) -> Response:
+        body = _validate(DetokenizeRequest, data)
+        resolve_model(engine, body.model)
+        try:
+            return JSONResponse({"prompt": engine.tokenizer.detokenize(body.tokens)})
+        except ValueError as exc:  # an id outside the vocabulary: the caller's mistake, a 400
+            raise SpecError(str(exc), field="tokens") from None
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        data, large = await json_body(request)
+        return await asyncio.to_thread(tokenize_sync, data) if large else tokenize_sync(data)
 
     @api.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        body = _validate(DetokenizeRequest, await _json_body(request))
-        resolve_model(engine, body.model)
-        return {"prompt": engine.tokenizer.detokenize(body.tokens)}
+    async def detokenize(request: Request) -> Response:
+        data, large = await json_body(request)
+        return await asyncio.to_thread(detokenize_sync, data) if large else detokenize_sync(data)
 
     def control_route(signal: Literal["pause", "unpause", "suspend", "resume"]) -> None:
         async def handler() -> dict[str, Any]:
@@ -214,15 +243,8 @@ def _llmgw_version() -> str:
         return "unknown"
 
 
-async def _json_body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except ValueError as exc:
-        raise SpecError(f"request body is not JSON: {exc}") from None
-
-
 def _validate(model: Any, data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(validation_message(exc)) from None
+        raise spec_error_of(exc) from None

@@ -51,7 +51,9 @@ def error_body(
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        405: "invalid_request_error",
         409: "conflict_error",
+        413: "invalid_request_error",
         503: "service_unavailable",
     }.get(status, "server_error")
     return json.dumps(

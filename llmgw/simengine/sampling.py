@@ -7,12 +7,14 @@ ignores the seed (greedy decoding has no randomness to seed). Everything is
 decided up front, stop strings and stop token ids included, because the
 scheduler must know the tokens that fill decode blocks (they are hashed and
 announced like prompt blocks) and because it keeps the per-token hot path to
-a list lookup.
+a list lookup. "Up front" never means more than will be emitted: with stops
+the draw goes in chunks and ends at the first stop.
 
-Length: with `max_tokens` the request emits exactly that many tokens unless
-a stop matches (as with vLLM's ignore_eos; benchmarks need predictable
-lengths); without it a "natural" length of 16-256 tokens is drawn, capped by
-the room left in max_model_len.
+Length: with `max_tokens` (at most `room`, which the engine checks first)
+the request emits exactly that many tokens unless a stop matches (as with
+vLLM's ignore_eos; benchmarks need predictable lengths); without it a
+"natural" length of 16-256 tokens is drawn, capped by the room left in
+max_model_len.
 
 Must NOT do I/O or know about HTTP.
 """
@@ -74,38 +76,70 @@ class Sampler:
             count = max(min(natural, room), 1)
             finish: Literal["stop", "length"] = "stop" if natural <= room else "length"
         else:
+            if max_tokens > room:
+                # The engine refuses this before calling (vLLM's 400); drawing it anyway would
+                # materialise an output that can never be generated (1e9 tokens: 23.5 GB).
+                raise ValueError(f"max_tokens={max_tokens} exceeds the room left ({room})")
             count = max_tokens
             finish = "length"
         if count < 1:
             return SampledOutput((), (), "length", None)
-        token_ids = rng.choices(self._pool, k=count)
         piece = self._piece
-        stop_reason: str | int | None = None
-        if stop_token_ids:
-            stops = set(stop_token_ids)
-            for index, token_id in enumerate(token_ids):
-                if token_id in stops:
-                    del token_ids[index + 1 :]
-                    deltas = [piece[t] for t in token_ids[:-1]] + [""]
-                    return SampledOutput(tuple(token_ids), tuple(deltas), "stop", token_id)
-        deltas = [piece[t] for t in token_ids]
-        if stop:
-            text = "".join(deltas)
-            hits = [(pos, s) for s in stop if s and (pos := text.find(s)) >= 0]
-            if hits:
-                cut, stop_reason = min(hits)
-                end_of_stop = cut + len(str(stop_reason))
-                clipped: list[str] = []
-                start = 0
-                for index, delta in enumerate(deltas):
-                    end = start + len(delta)
-                    clipped.append(text[min(start, cut) : min(end, cut)])
-                    if end >= end_of_stop:
-                        del token_ids[index + 1 :]
-                        break
-                    start = end
-                return SampledOutput(tuple(token_ids), tuple(clipped), "stop", stop_reason)
-        return SampledOutput(tuple(token_ids), tuple(deltas), finish, stop_reason)
+        if not stop and not stop_token_ids:
+            token_ids = rng.choices(self._pool, k=count)
+            return SampledOutput(
+                tuple(token_ids), tuple([piece[t] for t in token_ids]), finish, None
+            )
+        return self._sample_until_stop(rng, count, finish, stop, stop_token_ids)
+
+    def _sample_until_stop(
+        self,
+        rng: random.Random,
+        count: int,
+        finish: Literal["stop", "length"],
+        stop: Sequence[str],
+        stop_token_ids: Sequence[int],
+    ) -> SampledOutput:
+        """Draw in growing chunks and end at the first stop, as vLLM checks after each token.
+
+        Drawing all `count` tokens first and cutting afterwards would materialise an output
+        up to max_model_len long for a request that stops after three tokens. Chunked draws
+        give the same tokens (`choices` without weights draws one random() per token), and
+        the first stop to *complete* wins, as in vLLM: a stop token id, or a stop string
+        whose end falls before it (the cut is at the string's start).
+        """
+        pool = self._pool
+        piece = self._piece
+        stop_ids = set(stop_token_ids)
+        token_ids: list[int] = []
+        deltas: list[str] = []
+        text = ""
+        chunk = 64
+        while len(token_ids) < count:
+            new = rng.choices(pool, k=min(chunk, count - len(token_ids)))
+            chunk = min(chunk * 2, 4096)
+            stop_at = next((i for i, t in enumerate(new) if t in stop_ids), -1) if stop_ids else -1
+            fresh = new if stop_at < 0 else new[:stop_at]
+            before = len(text)
+            token_ids += fresh
+            deltas += [piece[t] for t in fresh]
+            text += "".join(deltas[len(deltas) - len(fresh) :])
+            if stop:
+                # An occurrence not found last time must end in the new text; the stop that
+                # ends first is the one vLLM would have stopped on.
+                hits = [
+                    (pos + len(s), pos, s)
+                    for s in stop
+                    if (pos := text.find(s, max(0, before - len(s) + 1))) >= 0
+                ]
+                if hits:
+                    _, cut, matched = min(hits)
+                    return _cut_at_stop_string(token_ids, deltas, text, cut, matched)
+            if stop_at >= 0:
+                token_ids.append(new[stop_at])
+                deltas.append("")  # a stop token's text is not part of the output
+                return SampledOutput(tuple(token_ids), tuple(deltas), "stop", new[stop_at])
+        return SampledOutput(tuple(token_ids), tuple(deltas), finish, None)
 
     def _seed_material(
         self, prompt_token_ids: Sequence[int], seed: int | None, temperature: float | None
@@ -118,3 +152,20 @@ class Sampler:
             seed_part + b"|" + array("q", prompt_token_ids).tobytes(), digest_size=8
         ).digest()
         return int.from_bytes(digest, "big")
+
+
+def _cut_at_stop_string(
+    token_ids: list[int], deltas: list[str], text: str, cut: int, matched: str
+) -> SampledOutput:
+    """End on the token that completes `matched`; the text stops where `matched` starts."""
+    end_of_stop = cut + len(matched)
+    clipped: list[str] = []
+    start = 0
+    for index, delta in enumerate(deltas):
+        end = start + len(delta)
+        clipped.append(text[min(start, cut) : min(end, cut)])
+        if end >= end_of_stop:
+            del token_ids[index + 1 :]
+            break
+        start = end
+    return SampledOutput(tuple(token_ids), tuple(clipped), "stop", matched)

@@ -160,22 +160,22 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, spec: RequestSpec) -> None:
+    def check_fits(
+        self, num_prompt: int, num_output: int, *, output_field: str = "max_tokens"
+    ) -> None:
+        """Refuse a request that could never run. The shell calls this with max_tokens before
+        sampling, so an impossible request is refused before any output is drawn."""
         cfg = self.config
-        if spec.request_id in self._requests:
-            raise ConflictError(f"request id {spec.request_id!r} is already active; use a new id")
-        num_prompt = len(spec.prompt_token_ids)
-        num_output = len(spec.output_token_ids)
         if num_prompt < 1:
             raise SpecError("the prompt is empty; send at least one token", field="prompt")
         if num_output < 1:
-            raise SpecError("max_tokens must be at least 1", field="max_tokens")
+            raise SpecError(f"{output_field} must be at least 1", field=output_field)
         if num_prompt + num_output > cfg.max_model_len:
             raise SpecError(
                 f"this request needs {num_prompt + num_output} tokens ({num_prompt} prompt + "
                 f"{num_output} output) but max_model_len is {cfg.max_model_len}; shorten the "
-                "prompt or max_tokens",
-                field="max_tokens",
+                f"prompt or {output_field}",
+                field=output_field,
             )
         # The last output token is never computed, so the request holds at most this many blocks.
         blocks = -(-(num_prompt + num_output - 1) // cfg.block_size)
@@ -184,9 +184,14 @@ class Scheduler:
                 f"this request needs {blocks} KV blocks ({num_prompt} prompt + {num_output} "
                 f"output tokens at {cfg.block_size} tokens per block) but the cache has only "
                 f"{self.pool.num_usable_blocks} usable blocks, so it could never run; shorten "
-                "the prompt or max_tokens, or start the engine with more --num-blocks",
-                field="max_tokens",
+                f"the prompt or {output_field}, or start the engine with more --num-blocks",
+                field=output_field,
             )
+
+    def add_request(self, spec: RequestSpec) -> None:
+        if spec.request_id in self._requests:
+            raise ConflictError(f"request id {spec.request_id!r} is already active; use a new id")
+        self.check_fits(len(spec.prompt_token_ids), len(spec.output_token_ids))
         self._arrivals += 1
         request = _Request(
             spec=spec,

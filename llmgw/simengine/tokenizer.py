@@ -17,8 +17,8 @@ directly.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from itertools import product
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice, product
 from string import ascii_lowercase, digits
 from typing import Final, NewType
 
@@ -89,8 +89,37 @@ class Tokenizer:
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = [BOS_ID] if add_special_tokens else []
+        self._extend(ids, _PIECE_RE.finditer(text))
+        return ids
+
+    def tokenize_within(
+        self, text: str, *, add_special_tokens: bool = False, limit: int
+    ) -> tuple[list[int] | None, int]:
+        """(ids, count) when the text has at most `limit` tokens, else (None, count).
+
+        Past the limit the tokens are counted, not kept: a prompt that will be refused for
+        its length then costs memory for `limit` tokens, not for all of them (a 16 MiB
+        prompt is ~5M tokens, ~40 MB of list), and the refusal can still give the count.
+        """
+        ids: list[int] = [BOS_ID] if add_special_tokens else []
+        dropped = 0
+        matches = _PIECE_RE.finditer(text)
+        while True:
+            before = len(ids)
+            self._extend(ids, islice(matches, 4096))
+            if len(ids) == before:
+                break
+            if len(ids) > limit:
+                dropped += len(ids)
+                ids.clear()
+        if dropped:
+            return None, dropped + len(ids)
+        return ids, len(ids)
+
+    def _extend(self, ids: list[int], matches: Iterator[re.Match[str]]) -> None:
+        """The one tokenizing loop (tokenize and tokenize_within both run it)."""
         lookup = self._ids
-        for match in _PIECE_RE.finditer(text):
+        for match in matches:
             word = match.group(2)
             if word is not None:
                 # A word is cut into pieces of at most three letters; only the first keeps the
@@ -105,7 +134,6 @@ class Tokenizer:
                 ids.append(token_id)
             else:
                 ids.extend(_FIRST_BYTE_ID + b for b in piece.encode())
-        return ids
 
     def detokenize(self, token_ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         pieces = self._pieces

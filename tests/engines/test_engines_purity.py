@@ -22,6 +22,7 @@ ALLOWED_TOP = {
     "hashlib",
     "json",
     "posixpath",
+    "re",
     "typing",
     "pydantic",
     "llmgw",

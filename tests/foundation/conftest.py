@@ -21,6 +21,7 @@ class RunningControlPlane:
     db_url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    public_url: str
 
     @property
     def headers(self) -> dict[str, str]:
@@ -34,6 +35,7 @@ def controlplane(
     name = pg_server.new_name("cp")
     db_url = pg_server.create_database(name, template=_pg_template)
     port = free_port()
+    public_port = free_port()
     token = secrets.token_urlsafe(24)
     log = tmp_path_factory.mktemp("cp") / "controlplane.log"
     env = dict(os.environ)
@@ -44,12 +46,22 @@ def controlplane(
     )
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            llmgw_cmd("controlplane", "--port", str(port)), env=env, stdout=out, stderr=out
+            llmgw_cmd("controlplane", "--port", str(port), "--public-port", str(public_port)),
+            env=env,
+            stdout=out,
+            stderr=out,
         )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/readyz", timeout_s=30, proc=proc, log=log)
-        yield RunningControlPlane(url=url, token=token, db_url=db_url, proc=proc, log=log)
+        yield RunningControlPlane(
+            url=url,
+            token=token,
+            db_url=db_url,
+            proc=proc,
+            log=log,
+            public_url=f"http://127.0.0.1:{public_port}",
+        )
     finally:
         stop_process(proc)
         pg_server.drop_database(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -88,8 +89,13 @@ def test_controlplane_refuses_to_start_without_a_database_or_token(tmp_path: Pat
 def test_db_commands_report_an_unreachable_database_without_a_trace() -> None:
     url = f"postgresql://someone:hunter2hunter2@127.0.0.1:{free_port()}/nowhere"
     for cmd in (["db", "current"], ["db", "upgrade"]):
+        # The URL comes from the environment: a password in argv is refused (visible in `ps`).
         done = subprocess.run(
-            llmgw_cmd(*cmd, "--database-url", url), capture_output=True, text=True, timeout=60
+            llmgw_cmd(*cmd),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "LLMGW_CONTROLPLANE__DATABASE_URL": url},
         )
         assert done.returncode == 2, done.stderr
         assert "cannot reach the database at" in done.stderr and "Traceback" not in done.stderr

@@ -255,3 +255,65 @@ def test_db_url_is_migrated_to_head_and_isolated(db_url: str) -> None:
 
 def test_db_url_gets_a_new_clone_each_test(db_url: str) -> None:
     assert _query(db_url, "SELECT to_regclass('scratch') IS NULL") == [(True,)]
+
+
+def test_failed_statements_leave_no_values_in_the_server_log_and_its_files_are_private(
+    pg_tmp_path: Path,
+) -> None:
+    data_dir = pg_tmp_path / "data"
+    data_dir.mkdir()
+    data_dir.chmod(0o755)  # as an older llmgw (or a plain mkdir) left it
+    secret = "sk-planted-" + os.urandom(8).hex()
+    pg = EmbeddedPostgres(data_dir)
+    pg.start()
+    try:
+        with psycopg.connect(libpq_url(pg.url), autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (v text CONSTRAINT v_short CHECK (length(v) < 8))")
+            # The failing row (DETAIL), the bind parameters, and the JSON text quoted in a
+            # CONTEXT line (the lone surrogate of the hardening issue) would each carry it.
+            for statement, params in (
+                ("INSERT INTO t VALUES (%s)", (secret,)),
+                ("SELECT %s::jsonb", ('{"k": "' + secret + '\\ud800"}',)),
+                ("SELECT %s::text::varchar(4)::int", (secret,)),
+            ):
+                with pytest.raises(psycopg.Error):
+                    conn.execute(statement, params)
+        # Another session's work forces the log lines out before we read them.
+        with psycopg.connect(libpq_url(pg.url), autocommit=True) as conn:
+            conn.execute("SELECT 1")
+    finally:
+        pg.stop()
+    log = pg.log_path.read_text()
+    assert 'violates check constraint "v_short"' in log, log[-2000:]  # errors are still logged
+    assert secret not in log, log[-2000:]
+    # Private: group and others may at most pass through (as root, the `postgres` user must).
+    want_dir = 0o711 if os.geteuid() == 0 else 0o700
+    assert stat.S_IMODE(data_dir.stat().st_mode) == want_dir
+    assert stat.S_IMODE(pg.log_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(pg.app_password_path.stat().st_mode) == 0o600
+
+
+def test_the_app_role_owns_its_database_and_is_no_superuser(pg_tmp_path: Path) -> None:
+    data_dir = pg_tmp_path / "data"
+    with EmbeddedPostgres(data_dir) as pg:
+        with psycopg.connect(libpq_url(pg.app_url), autocommit=True) as conn:
+            conn.execute("CREATE TABLE mine (x int)")
+            row = conn.execute(
+                "SELECT current_user, rolsuper, rolcreaterole, rolcreatedb, "
+                "pg_get_userbyid((SELECT datdba FROM pg_database WHERE datname = current_database())) "
+                "FROM pg_roles WHERE rolname = current_user"
+            ).fetchone()
+            assert row == ("llmgw_app", False, False, False, "llmgw_app")
+            # What only a superuser may do is refused: reading the server's files.
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("COPY mine FROM '/etc/hostname'")
+        # A database an older llmgw made as the superuser is handed over on the next start.
+        with psycopg.connect(libpq_url(pg.url), autocommit=True) as conn:
+            conn.execute("CREATE TABLE legacy (id serial PRIMARY KEY)")
+            conn.execute("ALTER DATABASE llmgw OWNER TO llmgw")
+    with (
+        EmbeddedPostgres(data_dir) as pg,
+        psycopg.connect(libpq_url(pg.app_url), autocommit=True) as conn,
+    ):
+        conn.execute("ALTER TABLE legacy ADD COLUMN y int")
+        conn.execute("INSERT INTO legacy (y) VALUES (1)")

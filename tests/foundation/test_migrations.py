@@ -67,35 +67,134 @@ def test_command_line_upgrade_on_empty_database(empty_db_url: str, tool: str) ->
     assert migrations.current_revision(empty_db_url) == migrations.head_revision()
 
 
-def test_a_gpu_cannot_be_assigned_twice(db_url: str) -> None:
-    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
-        node = conn.execute("INSERT INTO nodes (name) VALUES ('n1') RETURNING id").fetchone()[0]  # type: ignore[index]
-        replica = conn.execute(
-            "INSERT INTO replicas (profile_fingerprint) VALUES ('fp') RETURNING id"
-        ).fetchone()[0]  # type: ignore[index]
-        shards = [
-            conn.execute(
-                "INSERT INTO shards (replica_id, node_id, rank, profile_fingerprint, leader_port) "
-                "VALUES (%s, %s, %s, 'fp', %s) RETURNING id",
-                (replica, node, rank, 30000 + rank),
-            ).fetchone()[0]  # type: ignore[index]
-            for rank in (0, 1)
-        ]
+MIG_A = "MIG-5c3f6a7e-0000-4c1f-9a1e-1234567890ab"
+MIG_B = "MIG-7d1e2b3c-1111-4c1f-9a1e-1234567890ab"
+
+
+def _node_and_shards(
+    conn: psycopg.Connection[tuple[object, ...]], n: int
+) -> tuple[object, list[object]]:
+    node = conn.execute("INSERT INTO nodes (name) VALUES ('n1') RETURNING id").fetchone()[0]  # type: ignore[index]
+    replica = conn.execute(
+        "INSERT INTO replicas (profile_fingerprint) VALUES ('fp') RETURNING id"
+    ).fetchone()[0]  # type: ignore[index]
+    shards = [
         conn.execute(
-            "INSERT INTO gpu_assignments (node_id, gpu_key, shard_id) VALUES (%s, '0', %s)",
-            (node, shards[0]),
-        )
-        with pytest.raises(psycopg.errors.UniqueViolation):
-            conn.execute(
-                "INSERT INTO gpu_assignments (node_id, gpu_key, shard_id) VALUES (%s, '0', %s)",
-                (node, shards[1]),
-            )
+            "INSERT INTO shards (replica_id, node_id, rank, profile_fingerprint, leader_port) "
+            "VALUES (%s, %s, %s, 'fp', %s) RETURNING id",
+            (replica, node, rank, 30000 + rank),
+        ).fetchone()[0]  # type: ignore[index]
+        for rank in range(n)
+    ]
+    return node, shards
+
+
+def _assign(
+    conn: psycopg.Connection[tuple[object, ...]],
+    shard: object,
+    node: object,
+    gpu: int,
+    mig: str | None = None,
+    position: int = 0,
+) -> None:
+    conn.execute(
+        "INSERT INTO gpu_assignments (shard_id, position, node_id, gpu_index, mig_uuid) "
+        "VALUES (%s, %s, %s, %s, %s)",
+        (shard, position, node, gpu, mig),
+    )
+
+
+# (first holder, second holder, refused?) on one node: (gpu index, MIG slice or None).
+@pytest.mark.parametrize(
+    ("first", "second", "refused"),
+    [
+        ((3, None), (3, None), True),  # a whole GPU twice
+        ((3, None), (3, MIG_A), True),  # whole, then a slice of it
+        ((3, MIG_A), (3, None), True),  # a slice, then the whole GPU
+        ((3, MIG_A), (3, MIG_A), True),  # the same slice twice
+        ((3, MIG_A), (3, MIG_B), False),  # two slices of one GPU
+        ((3, None), (4, None), False),  # two GPUs
+        ((3, None), (4, MIG_A), False),  # a GPU and a slice of another
+    ],
+    ids=[
+        "whole-whole",
+        "whole-slice",
+        "slice-whole",
+        "slice-slice",
+        "two-slices",
+        "two-gpus",
+        "other-gpu",
+    ],
+)
+def test_the_database_refuses_double_booking_a_gpu(
+    db_url: str, first: tuple[int, str | None], second: tuple[int, str | None], refused: bool
+) -> None:
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        node, shards = _node_and_shards(conn, 2)
+        _assign(conn, shards[0], node, *first)
+        if not refused:
+            _assign(conn, shards[1], node, *second)
+            return
+        with pytest.raises((psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation)):
+            _assign(conn, shards[1], node, *second)
+        # Released, the first shard no longer holds it: the same insert now succeeds.
+        conn.execute("UPDATE shards SET released = true WHERE id = %s", (shards[0],))
+        _assign(conn, shards[1], node, *second)
+        # ... and un-released it would double-book, so that is refused too.
+        with pytest.raises((psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation)):
+            conn.execute("UPDATE shards SET released = false WHERE id = %s", (shards[0],))
+
+
+def test_an_assignment_is_on_its_shards_node(db_url: str) -> None:
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        _, shards = _node_and_shards(conn, 1)
+        other = conn.execute("INSERT INTO nodes (name) VALUES ('n2') RETURNING id").fetchone()[0]  # type: ignore[index]
+        with pytest.raises(psycopg.errors.ForeignKeyViolation):
+            _assign(conn, shards[0], other, 0)
+
+
+def test_a_leader_port_is_freed_by_release(db_url: str) -> None:
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        _, shards = _node_and_shards(conn, 2)
         # The same leader port on one node is refused while both shards are live ...
         with pytest.raises(psycopg.errors.UniqueViolation):
             conn.execute("UPDATE shards SET leader_port = 30000 WHERE id = %s", (shards[1],))
         # ... and allowed once the first is released.
         conn.execute("UPDATE shards SET released = true WHERE id = %s", (shards[0],))
         conn.execute("UPDATE shards SET leader_port = 30000 WHERE id = %s", (shards[1],))
+
+
+def test_0002_keeps_assignments_and_device_order_and_downgrades(empty_db_url: str) -> None:
+    migrations.upgrade(empty_db_url, "0001_initial")
+    with psycopg.connect(libpq_url(empty_db_url), autocommit=True) as conn:
+        node = conn.execute("INSERT INTO nodes (name) VALUES ('n1') RETURNING id").fetchone()[0]  # type: ignore[index]
+        replica = conn.execute(
+            "INSERT INTO replicas (profile_fingerprint) VALUES ('fp') RETURNING id"
+        ).fetchone()[0]  # type: ignore[index]
+        shard = conn.execute(
+            "INSERT INTO shards (replica_id, node_id, rank, profile_fingerprint, gpu_indices, "
+            "gpu_uuids) VALUES (%s, %s, 0, 'fp', '{5,2}', %s) RETURNING id",
+            (replica, node, ["", MIG_A]),
+        ).fetchone()[0]  # type: ignore[index]
+        for key in ("5", MIG_A, "7"):  # "7": held per the table, missing from the arrays
+            conn.execute(
+                "INSERT INTO gpu_assignments (node_id, gpu_key, shard_id) VALUES (%s, %s, %s)",
+                (node, key, shard),
+            )
+    migrations.upgrade(empty_db_url)
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        rows = conn.execute(
+            "SELECT position, gpu_index, mig_uuid FROM gpu_assignments WHERE shard_id = %s "
+            "ORDER BY position",
+            (shard,),
+        ).fetchall()
+    assert rows == [(0, 5, None), (1, 2, MIG_A), (2, 7, None)]
+    migrations.downgrade(empty_db_url, "0001_initial")
+    with psycopg.connect(libpq_url(empty_db_url)) as conn:
+        keys = conn.execute("SELECT gpu_key FROM gpu_assignments ORDER BY gpu_key").fetchall()
+        arrays = conn.execute("SELECT gpu_indices, gpu_uuids FROM shards").fetchone()
+    assert sorted(k for (k,) in keys) == sorted(["5", MIG_A, "7"])
+    assert arrays == ([5, 2, 7], ["", MIG_A, ""])
 
 
 @pytest.mark.parametrize(

@@ -42,17 +42,18 @@ def test_kv_index_bench_smoke() -> None:
 
 def test_cli_hash_prints_one_line_per_full_block() -> None:
     tokens = json.dumps(list(range(1, 40))).encode()
-    out = _run(["-m", "llmgw", "kv", "hash", "--seed", "0"], tokens)
+    out = _run(["-m", "llmgw", "kv", "hash", "--seed", "1"], tokens)
     assert out.returncode == 0, out.stderr.decode()
-    expected = block_hashes(list(range(1, 40)), 16, seed="0")
+    expected = block_hashes(list(range(1, 40)), 16, seed="1")
     assert out.stdout.decode().split() == [h.hex() for h in expected]
-    args = ["-m", "llmgw", "kv", "hash", "--block-size", "4", "--seed", "0", "--int"]
+    args = ["-m", "llmgw", "kv", "hash", "--block-size", "4", "--seed", "1", "--int"]
     salted = _run([*args, "--cache-salt", "tenant-a"], json.dumps(list(range(1, 10))).encode())
-    assert salted.stdout.decode().split() == ["16580576289588873832", "12602710988629408670"]
+    digests = block_hashes(list(range(1, 10)), 4, seed="1", cache_salt="tenant-a")
+    assert salted.stdout.decode().split() == [str(hash64(d)) for d in digests]
     lora = _run(
         [*args, "--lora", "ad", "--lora-path", "/m/ad"], json.dumps(list(range(1, 10))).encode()
     )
-    digests = block_hashes(list(range(1, 10)), 4, seed="0", lora_name="ad", lora_path="/m/ad")
+    digests = block_hashes(list(range(1, 10)), 4, seed="1", lora_name="ad", lora_path="/m/ad")
     assert lora.stdout.decode().split() == [str(hash64(d)) for d in digests]
 
 
@@ -77,3 +78,23 @@ def test_cli_decode_prints_events_as_json() -> None:
     assert json.loads(raw.stdout)["events"][0]["block_hashes"] == [digest.hex()]
     bad = _run(["-m", "llmgw", "kv", "decode"], msgpack.packb({"not": "a batch"}))
     assert bad.returncode == 2 and b"malformed" in bad.stderr
+
+
+def test_cli_applies_the_seed_and_block_size_rules_the_rest_of_llmgw_does() -> None:
+    # Issue 8 item 7: `kv hash --seed abc` hashed happily; no engine can run with that seed.
+    for seed in ("abc", "0", "042", "4294967296", "-1"):
+        out = _run(["-m", "llmgw", "kv", "hash", "--seed", seed], b"[1, 2, 3]")
+        assert out.returncode == 2, (seed, out.stdout)
+        assert b"not a usable PYTHONHASHSEED" in out.stderr, out.stderr
+    for size in ("0", "-4"):
+        out = _run(["-m", "llmgw", "kv", "hash", "--block-size", size], b"[1, 2, 3]")
+        assert out.returncode == 2 and b"--block-size" in out.stderr, out.stderr
+
+
+def test_cli_decode_refuses_a_negative_block_size() -> None:
+    event = ["BlockStored", [1], None, [1, 2], -16, None, "GPU"]
+    out = _run(["-m", "llmgw", "kv", "decode"], msgpack.packb([1.0, [event], 0]))
+    assert out.returncode == 2 and b"block_size is -16" in out.stderr, out.stderr
+    offloaded = ["BlockStored", [1], None, [], 0, None, "CPU"]  # what offload events carry
+    ok = _run(["-m", "llmgw", "kv", "decode"], msgpack.packb([1.0, [offloaded], 0]))
+    assert ok.returncode == 0, ok.stderr

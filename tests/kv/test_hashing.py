@@ -160,3 +160,28 @@ def test_scorable_blocks_skips_a_last_block_that_cannot_hit() -> None:
     assert scorable_blocks(32, 16) == 1
     assert scorable_blocks(33, 16) == 2
     assert scorable_blocks(0, 16) == 0 and scorable_blocks(1, 16) == 0
+
+
+def test_hasher_cache_is_a_bounded_lru() -> None:
+    from llmgw.kv import hashing
+
+    hashing._hasher.cache_clear()
+    tokens = list(range(1, 33))
+    first = block_hashes(tokens, 16, seed="1")
+    info = hashing._hasher.cache_info()
+    assert (info.maxsize, info.currsize, info.misses) == (hashing._HASHERS_MAX, 1, 1)
+    for s in range(2, hashing._HASHERS_MAX + 1):  # fill it; seed "1" stays most recent
+        block_hashes(tokens, 16, seed=str(s))
+        block_hashes(tokens, 16, seed="1")
+    block_hashes(tokens, 16, seed="overflow")  # evicts the least recently used: seed "2"
+    assert hashing._hasher.cache_info().currsize == hashing._HASHERS_MAX
+    before = hashing._hasher.cache_info().misses
+    assert block_hashes(tokens, 16, seed="1") == first  # still cached
+    assert hashing._hasher.cache_info().misses == before
+    block_hashes(tokens, 16, seed="2")
+    assert hashing._hasher.cache_info().misses == before + 1
+    # A bad parameter is reported, never cached.
+    with pytest.raises(KVError):
+        block_hashes(tokens, 0)
+    with pytest.raises(KVError):
+        block_hashes(tokens, 16, seed=["not", "hashable"])  # type: ignore[arg-type]

@@ -141,7 +141,7 @@ def test_api_key_guards_v1_only_and_errors_have_openai_shape(sim: SimProcess) ->
     client = _client(sim)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="max_model_len is 32768"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 32768"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=40_000)
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2)

@@ -88,3 +88,44 @@ def test_allowed_control_transitions(state: EngineState, signal: str, after: Eng
 def test_refused_control_transitions_name_the_way_out(state: EngineState, signal: str) -> None:
     with pytest.raises(ConflictError, match=f"cannot {signal} an engine that is {state.value}"):
         apply_signal(state, signal)  # type: ignore[arg-type]
+
+
+def test_chunked_draw_with_stops_gives_the_tokens_of_one_draw() -> None:
+    """With stops the output is drawn in chunks of 64, 128, ...; the tokens must not change."""
+    full = SAMPLER.sample(PROMPT, max_tokens=5000, room=5000)
+    never = SAMPLER.sample(PROMPT, max_tokens=5000, room=5000, stop=["~never~"])
+    assert never.token_ids == full.token_ids and never.finish_reason == "length"
+    # A stop string spanning the first chunk boundary (tokens 63 and 64) is still found.
+    boundary = sum(len(d) for d in full.deltas[:64])
+    stop = full.text[boundary - 2 : boundary + 2]
+    cut = SAMPLER.sample(PROMPT, max_tokens=5000, room=5000, stop=[stop])
+    assert cut.text == full.text[: full.text.find(stop)] and cut.stop_reason == stop
+    assert len(cut.token_ids) <= 65
+
+
+def test_the_first_stop_to_complete_wins_and_nothing_past_it_is_kept() -> None:
+    full = SAMPLER.sample(PROMPT, max_tokens=3000, room=3000)
+    early = full.token_ids[5]
+    late_text = full.text[400:410]
+    both = SAMPLER.sample(
+        PROMPT, max_tokens=3000, room=3000, stop=[late_text], stop_token_ids=[early]
+    )
+    assert (
+        both.stop_reason == early
+        and both.token_ids == full.token_ids[: full.token_ids.index(early) + 1]
+    )
+    # A long stop that starts first but ends after a short one loses, as in vLLM.
+    text = full.text
+    start = next(
+        i
+        for i in range(0, 2000)
+        if text.find(text[i : i + 14]) == i and text.find(text[i + 4 : i + 9]) == i + 4
+    )
+    long_stop, short_stop = text[start : start + 14], text[start + 4 : start + 9]
+    short_wins = SAMPLER.sample(PROMPT, max_tokens=3000, room=3000, stop=[long_stop, short_stop])
+    assert short_wins.stop_reason == short_stop and short_wins.text == text[: start + 4]
+
+
+def test_max_tokens_beyond_the_room_is_refused_not_drawn() -> None:
+    with pytest.raises(ValueError, match="exceeds the room"):
+        SAMPLER.sample(PROMPT, max_tokens=10**9, room=100)

@@ -71,3 +71,15 @@ def test_chat_template_is_fixed_chatml() -> None:
         render_chat(messages, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(SpecError, match="image_url"):
         render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+def test_tokenize_within_keeps_ids_up_to_the_limit_and_only_counts_past_it() -> None:
+    tok = Tokenizer()
+    text = "Hello world, 12345 <|im_end|> café " * 3000
+    full = tok.tokenize(text, add_special_tokens=True)
+    assert tok.tokenize_within(text, add_special_tokens=True, limit=len(full)) == (full, len(full))
+    assert tok.tokenize_within(text, add_special_tokens=True, limit=len(full) - 1) == (
+        None,
+        len(full),
+    )
+    assert tok.tokenize_within("", limit=0) == ([], 0)

@@ -1,0 +1,20 @@
+"""Packaging glue that pyproject.toml cannot express: the migrations ship inside the wheel.
+
+Alembic's scripts stay in the repository's top-level ``alembic/`` (where the `alembic` tool
+and `alembic.ini` expect them, a fixed choice); the wheel carries them as the package
+``llmgw._alembic``, so an installed control plane can migrate its database. pyproject.toml can
+map a folder to a package name (package-dir) but not add that mapped package to the ones
+``packages.find`` discovers, so the list is made here; everything else is in pyproject.toml.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    packages=[
+        *find_packages(include=["llmgw", "llmgw.*"]),
+        "llmgw._alembic",
+        "llmgw._alembic.versions",
+    ],
+    package_dir={"llmgw._alembic": "alembic"},
+    package_data={"llmgw": ["py.typed"], "llmgw._alembic": ["script.py.mako"]},
+)
