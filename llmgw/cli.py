@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from llmgw.commands import controlplane, db, engines, kv, simengine, up
+from llmgw.commands import controlplane, db, engines, get, kv, simengine, up
 
 __all__ = ["app", "main"]
 
@@ -20,11 +20,30 @@ app.add_typer(db.app, name="db")
 app.command("controlplane")(controlplane.controlplane)
 app.add_typer(kv.app, name="kv")
 app.add_typer(engines.app, name="engines")
+app.command("get")(get.get)
+# Declarative fleet admin against the admin API (llmgw/commands/{apply,nodes,deployments,tokens}.py).
+from llmgw.commands import apply as _apply  # noqa: E402
+from llmgw.commands import deployments as _deployments  # noqa: E402
+from llmgw.commands import nodes as _nodes  # noqa: E402
+from llmgw.commands import tokens as _tokens  # noqa: E402
+
+app.command("apply")(_apply.apply)
+app.add_typer(_nodes.app, name="nodes")
+app.add_typer(_deployments.app, name="deployments")
+app.add_typer(_tokens.app, name="tokens")
 app.command(
     "simengine",
     context_settings={"allow_extra_args": False},
     help="Run the simulator engine (what the `sim` engine adapter starts).",
 )(simengine.simengine)
+# The node agent and its per-shard wrapper (llmgw/nodeagent/).
+from llmgw.commands import agent as _agent  # noqa: E402
+from llmgw.commands import shardrun as _shardrun  # noqa: E402
+
+app.command("agent")(_agent.agent)
+app.command("shard-run", help="Run one shard's processes (started by `llmgw agent`).")(
+    _shardrun.shard_run
+)
 
 
 def main() -> None:

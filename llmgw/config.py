@@ -27,12 +27,15 @@ from pydantic_settings import (
 )
 
 from llmgw.errors import ConfigError
+from llmgw.protocol.kvstream import MAX_BODY_BYTES as KV_MAX_BODY_BYTES
 
 __all__ = [
+    "AgentApiSettings",
     "AgentSettings",
     "ControlPlaneSettings",
     "GatewaySettings",
     "LogSettings",
+    "ReconcileSettings",
     "Settings",
     "UpSettings",
     "default_data_dir",
@@ -40,10 +43,23 @@ __all__ = [
 ]
 
 _DB_URL_RE = re.compile(r"^postgresql(\+psycopg)?://")
-_URL_PASSWORD_RE = re.compile(r"(://[^:/@]*:)[^@]*@")
+# A URL's password inside longer text (an error message quoting the value). Greedy up to the
+# token's last "@": a password holding an unescaped "@" is hidden whole, never half-shown.
+_URL_PASSWORD_RE = re.compile(r"(://[^:/@\s]*:)\S*@")
 
 
 def _hide_password(text: str) -> str:
+    """``text`` with any URL password replaced by ``***``; text without one is returned as is."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(text)
+    except (ArgumentError, ValueError):
+        url = None
+    if url is not None and url.password is not None and "@" not in (url.host or ""):
+        # A whole URL: SQLAlchemy's own rendering (it knows the URL's quoting rules).
+        return url.render_as_string(hide_password=True)
     return _URL_PASSWORD_RE.sub(r"\1***@", text)
 
 
@@ -57,6 +73,64 @@ class LogSettings(_Section):
     json_lines: bool | None = Field(default=None, alias="json")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ReconcileSettings(_Section):
+    """The reconcile loop (leader only) and the rules its plan follows (design §4)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the reconcile loop in this process (it only passes while it leads). "
+        "Off: this control plane serves APIs only.",
+    )
+    tick_s: float = Field(
+        default=2.0, gt=0, le=300, description="Seconds between passes when nothing wakes it."
+    )
+    sync_period_s: float = Field(
+        default=2.0, gt=0, le=60, description="The agents' sync period (agent.sync_interval_s)."
+    )
+    node_grace_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A node whose agent has not synced for this long has its replicas replaced; "
+        "at least 5 sync periods, so a node that misses a few syncs under load keeps them.",
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, gt=0, description="How long a draining replica may keep serving."
+    )
+    crash_loop_restarts: int = Field(
+        default=5, ge=1, description="Restarts after which a shard's replica is replaced."
+    )
+    leader_port_min: int = Field(default=29500, ge=1, le=65535)
+    leader_port_max: int = Field(default=29999, ge=1, le=65535)
+
+
+class AgentApiSettings(_Section):
+    """The agent API on the internal listener: body caps, heartbeat batching, caches.
+
+    Defaults are what a fleet of 1,000 nodes syncing every ~2 s needs.
+    """
+
+    # A sync carries up to 256 bindings with 8 KiB log tails each (2 MiB) plus an inventory.
+    sync_max_body_bytes: int = Field(default=4 << 20, ge=64 << 10)
+    # Registration is authenticated by a token inside the body: keep what an anonymous
+    # client can make the process read small.
+    register_max_body_bytes: int = Field(default=256 << 10, ge=16 << 10)
+    kv_max_body_bytes: int = Field(default=KV_MAX_BODY_BYTES, ge=64 << 10)
+    # Unchanged syncs only stamp last_sync_at: one UPDATE for all of them per period.
+    heartbeat_flush_s: float = Field(default=1.0, gt=0, le=30)
+    # controlplane_instances: beat period; an instance is live while seen within 3 periods.
+    instance_heartbeat_s: float = Field(default=3.0, gt=0, le=60)
+    # How often every node's row (credential, approval, drain, desired_version) is re-read in
+    # one statement: unchanged syncs are answered from memory, so a reconciler's change
+    # reaches an agent up to this much later. 0: read the node's row on every sync instead.
+    node_refresh_s: float = Field(default=0.5, ge=0, le=30)
+    # How often the placed-shard map the KV path reads is re-read (a sync that reads a node's
+    # desired set updates that node's entries at once).
+    placed_refresh_s: float = Field(default=5.0, gt=0, le=300)
+    # Full KV copies admitted per second, and at once (429 + Retry-After beyond).
+    kv_full_copy_rate_per_s: float = Field(default=200.0, gt=0)
+    kv_full_copy_burst: int = Field(default=400, ge=1)
 
 
 class ControlPlaneSettings(_Section):
@@ -78,6 +152,28 @@ class ControlPlaneSettings(_Section):
     )
     db_pool_size: int = Field(default=10, ge=1, le=200)
     db_connect_timeout_s: float = Field(default=5.0, gt=0)
+    admin_max_body_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description="Largest admin API request body read; a larger one is refused with 413 "
+        "before it is buffered. Profiles are small: raise it only for huge args/env lists.",
+    )
+    shutdown_grace_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="On SIGTERM/SIGINT, how long open requests of both listeners may finish "
+        "before they are cut.",
+    )
+    advertise_url: str = Field(
+        default="",
+        description="Where agents reach this process's internal listener (its agent API), "
+        "e.g. https://cp-1.mgmt:8081. Empty: http://<internal_host>:<internal_port>, with "
+        "this host's name for a wildcard address.",
+    )
+    reconcile: ReconcileSettings = ReconcileSettings()
+    agent_api: AgentApiSettings = AgentApiSettings()
 
     @field_validator("database_url")
     @classmethod
@@ -115,6 +211,121 @@ class AgentSettings(_Section):
     )
     node_name: str = Field(default="", description="Empty: the host name.")
     sync_interval_s: float = Field(default=2.0, gt=0, le=60)
+
+    class Fabric(_Section):
+        """A fabric this node is on (design §4 placement); the agent checks its HCAs exist."""
+
+        name: str = Field(min_length=1, description='"ib0", "roce-a", or "nvl:<domain>".')
+        kind: Literal["ib", "roce", "nvl"]
+        hcas: list[str] = Field(default_factory=list)
+        gid_index: int | None = Field(default=None, ge=0, description="RoCE v2 GID index.")
+
+    class Policy(_Section):
+        """What this node agrees to run, whatever the control plane sends (design §4)."""
+
+        allowed_model_roots: list[str] = Field(
+            default_factory=list,
+            description="Directories model paths must sit under. Empty: any path.",
+        )
+        allowed_engines: list[str] = Field(
+            default_factory=list, description="Engines this node runs. Empty: every one it offers."
+        )
+        refused_flags: list[str] = Field(
+            default_factory=lambda: ["--trust-remote-code"],
+            description="Engine flags a profile may not pass, however spelled.",
+        )
+        allowed_adapter_sources: list[str] = Field(
+            default_factory=list,
+            description="Local directories or http(s):// URL prefixes LoRA adapters may come "
+            "from. Empty: local paths under allowed_model_roots, no downloads.",
+        )
+        adapter_max_bytes: int = Field(default=2 << 30, gt=0)
+        # Only tests serve adapters from 127.0.0.1: a download that may reach
+        # loopback, link-local or the cloud metadata address reads the node's secrets.
+        adapter_fetch_allow_loopback: bool = False
+
+    controlplane_ca_file: str = Field(
+        default="", description="CA bundle for the control plane's certificate. Empty: system CAs."
+    )
+    allow_insecure_http: bool = Field(
+        default=False,
+        description="Allow http:// to a control plane off loopback (credentials in clear text).",
+    )
+    bootstrap_token: str = Field(
+        default="",
+        description="One-time registration token; prefer LLMGW_AGENT__BOOTSTRAP_TOKEN or a file.",
+        repr=False,
+    )
+    bootstrap_token_file: str = Field(default="", description="File holding the bootstrap token.")
+    mgmt_addr: str = Field(
+        default="",
+        description="Address peers and the gateway reach this node on. Empty: the address of "
+        "the interface that routes to the control plane.",
+    )
+    inventory_file: str = Field(
+        default="", description="YAML/JSON inventory (GPUs, MIG, fabrics) instead of NVML."
+    )
+    sim_gpus: int = Field(
+        default=0, ge=0, le=64, description="Simulated GPUs (class sim) instead of NVML."
+    )
+    fabrics: list[Fabric] = Field(default_factory=list)
+    cpu_threads: int = Field(
+        default=0, ge=0, description="Threads offered to CPU engines. Empty (0): all of them."
+    )
+    engines: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine adapters' settings (llmgw.engines.EnginesConfig keys: disabled, "
+        "vllm.path, sim.python_executable, ...).",
+    )
+    policy: Policy = Field(default_factory=Policy)
+    port_range_start: int = Field(default=20000, ge=1024, le=65535)
+    port_range_end: int = Field(default=29999, ge=1024, le=65535)
+    engine_bind_addr: str = Field(
+        default="127.0.0.1",
+        description="Where engines listen. Off loopback only with trusted_management_network.",
+    )
+    trusted_management_network: bool = False
+    listen_host: str = Field(default="127.0.0.1", description="/healthz and /metrics address.")
+    listen_port: int = Field(default=9400, ge=0, le=65535)
+    proxy_port: int = Field(
+        default=9401, ge=0, le=65535, description="The engines' authenticating proxy."
+    )
+    health_interval_s: float = Field(default=2.0, gt=0, le=60)
+    start_timeout_s: float = Field(
+        default=900.0, gt=0, description="Longest an engine may take to answer health."
+    )
+    stop_grace_s: float = Field(default=30.0, ge=0, description="SIGTERM to SIGKILL.")
+    restart_backoff_min_s: float = Field(default=1.0, gt=0)
+    restart_backoff_max_s: float = Field(default=60.0, gt=0)
+    crash_loop_after: int = Field(
+        default=3, ge=1, description="Consecutive failed starts that make a crash loop."
+    )
+    stable_after_s: float = Field(
+        default=60.0, gt=0, description="Uptime after which a crash no longer counts as a loop."
+    )
+    sync_backoff_max_s: float = Field(default=30.0, gt=0)
+    sync_timeout_s: float = Field(default=10.0, gt=0)
+    log_max_bytes: int = Field(default=16 << 20, gt=0)
+    log_backups: int = Field(default=3, ge=0)
+
+    @field_validator("engines")
+    @classmethod
+    def _check_engines(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from llmgw.engines import EnginesConfig
+
+        EnginesConfig.model_validate(v)
+        return v
+
+    @field_validator("port_range_end")
+    @classmethod
+    def _check_range(cls, v: int, info: Any) -> int:
+        start = info.data.get("port_range_start", 0)
+        if v - start < 16:
+            raise ValueError(
+                f"must be at least port_range_start + 16 ({start + 16}): each shard takes up "
+                "to three ports"
+            )
+        return v
 
 
 class UpSettings(_Section):

@@ -1,17 +1,26 @@
-"""The control plane's internal HTTP application: health, readiness and the admin API.
+"""The control plane's internal HTTP application: health, readiness, docs and the admin API.
 
-Errors leave as ``{"error": {"code", "message", "field"}}`` through one table
-(``_STATUS``) from ``llmgw.errors`` types to HTTP status; database constraint
-violations that slip past the API's own checks (a race, a direct SQL write)
-become 409/422 naming the constraint instead of a 500. Every request is logged
-once, with a request id that is also returned in ``X-Request-ID``.
+Errors leave as ``{"error": {"code", "message", "field"}}`` with a code from
+the table in ``llmgw.controlplane.http.errors``; ``_STATUS`` maps
+``llmgw.errors`` types to HTTP status. Database constraint violations that
+slip past the API's own checks (a race, a direct SQL write) become 409/422
+naming the constraint instead of a 500.
+
+Outermost first, every request passes ``RequestLog`` (request id, access line,
+a 500 for anything unhandled), ``AdminAuth`` (the token, from the headers,
+before any body is read) and ``BodyGuard`` (JSON only, at most
+``controlplane.admin_max_body_bytes``). ``/docs`` is served from assets
+shipped in a package (``fastapi_offline``), so it works with no internet.
+
+What it must not do: serve anything meant for clients of the OpenAI API; this
+app is mounted on the internal listener only (``llmgw.controlplane.server``).
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+import socket
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,15 +28,28 @@ import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy import text
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 from sqlalchemy.orm.exc import StaleDataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
-from llmgw.config import ControlPlaneSettings
+from llmgw.config import ControlPlaneSettings, ReconcileSettings
 from llmgw.controlplane import migrations
 from llmgw.controlplane.admin_api import admin_router
+from llmgw.controlplane.agentapi.kv_intake import KvIntake
+from llmgw.controlplane.agentapi.router import install_agent_api
 from llmgw.controlplane.database import create_engine, session_factory
+from llmgw.controlplane.http.admin_auth import AdminAuth
+from llmgw.controlplane.http.body_guard import BodyGuard
+from llmgw.controlplane.http.errors import code_for_status, error_body, error_response
+from llmgw.controlplane.http.request_log import RequestLog
+from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
+from llmgw.controlplane.reconcile.loop import ReconcileMetrics, Reconciler
+from llmgw.controlplane.reconcile.snapshot import PlanSettings
+from llmgw.embedded_postgres import libpq_url
 from llmgw.errors import (
     AuthError,
     ConfigError,
@@ -56,18 +78,21 @@ _CONSTRAINTS: dict[str, tuple[int, str, str]] = {
     "uq_models_name": (409, "name", "a model with this name already exists"),
     "uq_profiles_name": (409, "name", "a profile with this name already exists"),
     "uq_deployments_name": (409, "name", "a deployment with this name already exists"),
+    "pk_gpu_classes": (409, "name", "a GPU class with this name already exists"),
     "fk_profiles_model_id_models": (409, "model", "the model is still used by profiles"),
     "fk_deployments_profile_id_profiles": (409, "profile", "the profile is used by a deployment"),
     "fk_deployments_model_id_models": (409, "model", "the model is used by a deployment"),
 }
 
 
-def _error(status: int, code: str, message: str, field: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"code": code, "message": message, "field": field}},
-        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None,
-    )
+def _error(
+    status: int,
+    code: str,
+    message: str,
+    field: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    return error_response(status, code, message, field, headers)
 
 
 def _status_of(exc: LlmgwError) -> int:
@@ -77,23 +102,30 @@ def _status_of(exc: LlmgwError) -> int:
     return 500
 
 
-async def _on_llmgw_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_llmgw_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, LlmgwError)
     return _error(_status_of(exc), exc.code, exc.message, exc.field)
 
 
-async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_validation_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Where the value came from is not part of its name: "limit", not "query.limit".
+    loc = [str(p) for p in first.get("loc", ())][1:] if first.get("loc") else []
     field = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
         return _error(
             400, "malformed-json", f"the body is not valid JSON: {ctx.get('error', first['msg'])}"
         )
-    if first.get("type") == "extra_forbidden":
+    if first.get("type") == "string_unicode":
+        # JSON's "\ud800" escape parses, but the string cannot be stored (nor printed as UTF-8).
+        message = (
+            f"{field or 'body'}: must be valid Unicode; it holds a lone surrogate (a \\ud800-"
+            "\\udfff escape without its pair): send the character itself or its full pair"
+        )
+    elif first.get("type") == "extra_forbidden":
         message = f"unknown field {field!r}; check its spelling against the API's schema (GET /openapi.json)"
     else:
         message = f"{field or 'body'}: {first['msg']}"
@@ -102,7 +134,7 @@ async def _on_validation_error(_request: Request, exc: Exception) -> JSONRespons
     return _error(422, "spec-invalid", message, field)
 
 
-async def _on_integrity_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_integrity_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, IntegrityError)
     diag = getattr(exc.orig, "diag", None)
     name = getattr(diag, "constraint_name", None) or ""
@@ -117,19 +149,54 @@ async def _on_integrity_error(_request: Request, exc: Exception) -> JSONResponse
     )
 
 
-async def _on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path. Probed through the routes' public
+    ``matches``: the router's own 405 names only the first partially matching route's."""
+    allowed = [
+        method
+        for method in _METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] == Match.FULL
+            for route in request.app.router.routes
+        )
+    ]
+    return ", ".join(allowed)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http-error")
-    return _error(exc.status_code, code, str(exc.detail))
+    headers = dict(exc.headers or {})
+    message = str(exc.detail)
+    if exc.status_code == 405:
+        headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
+        message = (
+            f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        )
+    elif exc.status_code == 404:
+        message = f"no such path: {request.method} {request.url.path} (the API is under /admin/v1; see /docs)"
+    return _error(exc.status_code, code_for_status(exc.status_code), message, None, headers)
 
 
-async def _on_data_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_data_error(_request: Request, exc: Exception) -> Response:
     # SQLSTATE class 22: a value the column cannot hold that slipped past the schema's bounds.
-    detail = str(getattr(exc, "orig", exc)).splitlines()[0]
-    return _error(422, "spec-invalid", f"the database cannot store a value: {detail}")
+    # Postgres' own message can quote the value (a secret reference among them): name the
+    # column and the SQLSTATE only.
+    orig = getattr(exc, "orig", None)
+    column = getattr(getattr(orig, "diag", None), "column_name", None)
+    sqlstate = getattr(orig, "sqlstate", None) or "22000"
+    return _error(
+        422,
+        "spec-invalid",
+        f"the database cannot store a value (SQLSTATE {sqlstate}); check the field's bounds "
+        "in GET /openapi.json",
+        column,
+    )
 
 
-async def _on_stale(_request: Request, _exc: Exception) -> JSONResponse:
+async def _on_stale(_request: Request, _exc: Exception) -> Response:
     return _error(
         409,
         "conflict",
@@ -139,13 +206,23 @@ async def _on_stale(_request: Request, _exc: Exception) -> JSONResponse:
     )
 
 
-async def _on_db_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_db_unavailable(_request: Request, exc: Exception) -> Response:
     log.error("database_error", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _error(503, "database-unavailable", "the state store is unreachable; retry shortly")
 
 
-def create_app(settings: ControlPlaneSettings) -> FastAPI:
-    """Build the internal app. The database URL and admin token must be set."""
+def _internal_error(request_id: str) -> bytes:
+    return error_body(
+        "internal", f"internal error; report request id {request_id} with the server's log"
+    )
+
+
+def create_app(settings: ControlPlaneSettings, *, instance_id: str | None = None) -> FastAPI:
+    """Build the internal app. The database URL and admin token must be set.
+
+    Its lifespan runs the reconcile loop (``controlplane.reconcile.enabled``), which
+    passes only while this process holds the leader lock.
+    """
     if not settings.database_url:
         raise ConfigError(
             "controlplane.database_url is empty: set LLMGW_CONTROLPLANE__DATABASE_URL or "
@@ -165,19 +242,47 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     )
     head = migrations.head_revision()
 
+    sessions = session_factory(engine)
+    metrics = CollectorRegistry()
+    instance = InstanceIdentity(instance_id or new_instance_id(), _advertise_url(settings))
+    reconciler = (
+        Reconciler(
+            sessions=sessions,
+            libpq_url=libpq_url(settings.database_url),
+            instance_id=instance.id,
+            plan_settings=_plan_settings(settings.reconcile),
+            tick_s=settings.reconcile.tick_s,
+            metrics=ReconcileMetrics.create(metrics),
+        )
+        if settings.reconcile.enabled
+        else None
+    )
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await engine.dispose()
+        stop = asyncio.Event()
+        background = (
+            [asyncio.create_task(reconciler.run(stop), name="reconcile")] if reconciler else []
+        )
+        try:
+            yield
+        finally:
+            # Leadership is released on the way out, so a standby takes over at once (SIGTERM).
+            stop.set()
+            await asyncio.gather(*background, return_exceptions=True)
+            await engine.dispose()
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="llmgw control plane",
         version="v1",
         description="Admin API of llmgw: models, profiles, deployments.",
         lifespan=lifespan,
     )
     app.state.admin_token = settings.admin_token
-    app.state.sessions = session_factory(engine)
+    app.state.sessions = sessions
+    app.state.instance_id = instance.id
+    app.state.metrics = metrics
+    app.state.reconciler = reconciler
     app.add_exception_handler(LlmgwError, _on_llmgw_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(IntegrityError, _on_integrity_error)
@@ -187,28 +292,16 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.add_exception_handler(DBAPIError, _on_db_unavailable)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
 
-    @app.middleware("http")
-    async def request_log(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        rid = request.headers.get("x-request-id") or secrets.token_hex(8)
-        request.state.request_id = rid
-        structlog.contextvars.bind_contextvars(request_id=rid)
-        start = time.perf_counter()
-        try:
-            response = await call_next(request)
-        finally:
-            structlog.contextvars.unbind_contextvars("request_id")
-        response.headers["X-Request-ID"] = rid
-        log.info(
-            "http_request",
-            request_id=rid,
-            method=request.method,
-            path=request.url.path,
-            status=response.status_code,
-            duration_ms=round((time.perf_counter() - start) * 1000, 2),
-        )
-        return response
+    # add_middleware wraps outside what is already there: the last added runs first.
+    app.add_middleware(
+        BodyGuard,
+        max_body_bytes=settings.admin_max_body_bytes,
+        setting="controlplane.admin_max_body_bytes",
+        json_prefixes=("/admin/",),
+        skip_prefixes=("/agent/",),
+    )
+    app.add_middleware(AdminAuth, token=settings.admin_token, prefix="/admin")
+    app.add_middleware(RequestLog, listener="internal", internal_error=_internal_error)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -236,5 +329,45 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
             content={"status": "ready" if ready else "not-ready", "checks": checks},
         )
 
+    @app.get("/metrics", tags=["health"], include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        """Prometheus exposition of this process's metrics (internal listener only)."""
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
     app.include_router(admin_router)
+    # Registration, sync and KV deltas; starts and stops with the app (heartbeats, instances).
+    install_agent_api(
+        app,
+        settings=settings.agent_api,
+        sessions=sessions,
+        instance=instance,
+        registry=metrics,
+        intake=KvIntake(),
+    )
     return app
+
+
+def _advertise_url(settings: ControlPlaneSettings) -> str:
+    if settings.advertise_url:
+        return settings.advertise_url.rstrip("/")
+    host = settings.internal_host
+    if host in ("0.0.0.0", "::", ""):
+        # A wildcard is where we listen, not where anyone can reach us.
+        host = socket.getfqdn()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.internal_port}"
+
+
+def _plan_settings(r: ReconcileSettings) -> PlanSettings:
+    try:
+        return PlanSettings(
+            sync_period_s=r.sync_period_s,
+            sync_grace_s=r.node_grace_s,
+            drain_timeout_s=r.drain_timeout_s,
+            crash_loop_restarts=r.crash_loop_restarts,
+            leader_port_min=r.leader_port_min,
+            leader_port_max=r.leader_port_max,
+        )
+    except ConfigError as exc:
+        raise ConfigError(exc.message, field=f"controlplane.reconcile.{exc.field}") from None

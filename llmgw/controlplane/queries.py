@@ -14,22 +14,37 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.tables import AuditLog, ClusterInfo, Deployment, Model, Profile
+from llmgw.controlplane.tables import (
+    AuditLog,
+    ClusterInfo,
+    Deployment,
+    DeploymentStatus,
+    GpuClass,
+    Model,
+    Node,
+    Profile,
+)
 from llmgw.errors import ConflictError, NotFoundError
 
 __all__ = [
     "CHANGE_CHANNEL",
     "apply_changes",
+    "bump_generation",
+    "bump_generations_of_profile",
     "cluster_kv_hash_seed",
     "delete_deployment",
     "delete_model",
     "delete_profile",
     "get_deployment",
+    "get_deployment_status",
+    "get_deployments",
     "get_model",
+    "get_models",
     "get_profile",
+    "get_profiles_with_models",
     "list_deployments",
     "list_models",
     "list_profiles",
@@ -40,7 +55,7 @@ __all__ = [
 # source of truth: the periodic tick is what guarantees progress.
 CHANGE_CHANNEL = "llmgw_desired_changed"
 
-_Row = TypeVar("_Row", Model, Profile, Deployment)
+_Row = TypeVar("_Row", Model, Profile, Deployment, Node, GpuClass)
 
 
 async def _one_by_name(
@@ -84,28 +99,118 @@ async def get_deployment(
     return await _one_by_name(session, Deployment, "deployment", name, lock=lock, field=field)
 
 
-async def list_models(session: AsyncSession) -> Sequence[Model]:
-    return (await session.execute(select(Model).order_by(Model.name))).scalars().all()
+async def get_models(session: AsyncSession, names: Sequence[str]) -> dict[str, Model]:
+    """The named models that exist, locked FOR UPDATE in name order (one lock order for
+    every writer, so two bulk writers cannot deadlock)."""
+    stmt = select(Model).where(Model.name.in_(sorted(names))).order_by(Model.name)
+    rows = (await session.execute(stmt.with_for_update())).scalars().all()
+    return {m.name: m for m in rows}
 
 
-async def list_profiles(session: AsyncSession) -> list[tuple[Profile, str]]:
-    """Every profile with its model's name, in one statement (one snapshot: no row can
-    appear between reading profiles and reading the names they refer to)."""
+async def get_profiles_with_models(
+    session: AsyncSession, names: Sequence[str]
+) -> dict[str, tuple[Profile, str]]:
+    """The named profiles that exist with their model's name, locked as ``get_models``."""
     stmt = (
-        select(Profile, Model.name).join(Model, Profile.model_id == Model.id).order_by(Profile.name)
+        select(Profile, Model.name)
+        .join(Model, Profile.model_id == Model.id)
+        .where(Profile.name.in_(sorted(names)))
+        .order_by(Profile.name)
+        .with_for_update(of=Profile)
     )
-    return [(p, m) for p, m in (await session.execute(stmt)).all()]
+    return {p.name: (p, m) for p, m in (await session.execute(stmt)).all()}
 
 
-async def list_deployments(session: AsyncSession) -> list[tuple[Deployment, str, str]]:
-    """Every deployment with its model's and profile's names, in one statement."""
+async def get_deployments(
+    session: AsyncSession, names: Sequence[str]
+) -> dict[str, tuple[Deployment, str, str]]:
+    """The named deployments that exist with their model's and profile's names, locked as
+    ``get_models``."""
     stmt = (
         select(Deployment, Model.name, Profile.name)
         .join(Model, Deployment.model_id == Model.id)
         .join(Profile, Deployment.profile_id == Profile.id)
+        .where(Deployment.name.in_(sorted(names)))
         .order_by(Deployment.name)
+        .with_for_update(of=Deployment)
     )
-    return [(d, m, p) for d, m, p in (await session.execute(stmt)).all()]
+    return {d.name: (d, m, p) for d, m, p in (await session.execute(stmt)).all()}
+
+
+async def get_deployment_status(
+    session: AsyncSession, deployment_id: Any
+) -> DeploymentStatus | None:
+    """The reconciler's status row of a deployment; None before its first pass over it."""
+    return await session.get(DeploymentStatus, deployment_id)
+
+
+def bump_generation(deployment: Deployment) -> None:
+    """Mark a change of the deployment's spec; evaluated in SQL by the UPDATE that saves it."""
+    deployment.generation = Deployment.generation + 1
+
+
+async def bump_generations_of_profile(session: AsyncSession, profile_id: Any) -> list[str]:
+    """A fingerprint change of a profile is a new spec for every deployment using it: bump
+    their generations in the caller's transaction, so the rollout status they show is stale
+    (observed_generation < generation) until the reconciler has seen the change. Returns
+    their names, for the audit."""
+    result = await session.execute(
+        update(Deployment)
+        .where(Deployment.profile_id == profile_id)
+        .values(generation=Deployment.generation + 1)
+        .returning(Deployment.name)
+        .execution_options(synchronize_session=False)
+    )
+    return sorted(str(n) for n in result.scalars().all())
+
+
+async def list_models(
+    session: AsyncSession, *, after: str | None = None, limit: int | None = None
+) -> Sequence[Model]:
+    """Models in name order, those named after ``after`` only, at most ``limit`` of them.
+
+    Keyset pages: a page is the same whatever was created or deleted before it, and
+    costs one index range scan however deep the client has paged.
+    """
+    stmt = select(Model).order_by(Model.name).limit(limit)
+    if after is not None:
+        stmt = stmt.where(Model.name > after)
+    return (await session.execute(stmt)).scalars().all()
+
+
+async def list_profiles(
+    session: AsyncSession, *, after: str | None = None, limit: int | None = None
+) -> list[tuple[Profile, str]]:
+    """Profiles with their model's name, in one statement (one snapshot: no row can
+    appear between reading profiles and reading the names they refer to); pages as
+    ``list_models``."""
+    stmt = (
+        select(Profile, Model.name)
+        .join(Model, Profile.model_id == Model.id)
+        .order_by(Profile.name)
+        .limit(limit)
+    )
+    if after is not None:
+        stmt = stmt.where(Profile.name > after)
+    return [(p, m) for p, m in (await session.execute(stmt)).all()]
+
+
+async def list_deployments(
+    session: AsyncSession, *, after: str | None = None, limit: int | None = None
+) -> list[tuple[Deployment, str, str, DeploymentStatus | None]]:
+    """Deployments with their model's and profile's names and their rollout status (None
+    before the reconciler's first pass), in one statement; pages as ``list_models``."""
+    stmt = (
+        select(Deployment, Model.name, Profile.name, DeploymentStatus)
+        .join(Model, Deployment.model_id == Model.id)
+        .join(Profile, Deployment.profile_id == Profile.id)
+        .outerjoin(DeploymentStatus, DeploymentStatus.deployment_id == Deployment.id)
+        .order_by(Deployment.name)
+        .limit(limit)
+    )
+    if after is not None:
+        stmt = stmt.where(Deployment.name > after)
+    return [(d, m, p, st) for d, m, p, st in (await session.execute(stmt)).all()]
 
 
 async def cluster_kv_hash_seed(session: AsyncSession) -> str:
@@ -113,26 +218,30 @@ async def cluster_kv_hash_seed(session: AsyncSession) -> str:
     return str(seed)
 
 
-def apply_changes(row: _Row, changes: Mapping[str, Any], *, version: int, kind: str) -> bool:
+def apply_changes(row: _Row, changes: Mapping[str, Any], *, version: int | None, kind: str) -> bool:
     """Apply ``changes`` to a row locked FOR UPDATE; return whether anything changed.
 
     Asking for what the row already holds succeeds whatever ``version`` says: a
     client retrying an update whose reply it lost must not get a 409 for its own
     write. A real change against a stale version is refused, naming both versions.
+    ``version`` None: an imperative change (scale, cordon) that applies to whatever
+    version is current, or a row without versions.
     """
     differs = {k: v for k, v in changes.items() if getattr(row, k) != v}
     if not differs:
         return False
-    if version != row.version:
+    current = getattr(row, "version", version)
+    if version is not None and version != current:
         raise ConflictError(
-            f"{kind} {row.name!r} is at version {row.version}, the update was based on version "
+            f"{kind} {row.name!r} is at version {current}, the update was based on version "
             f"{version}: someone else changed it; GET it again, reapply your change and retry",
             field="version",
         )
     for k, v in differs.items():
         setattr(row, k, v)
     # `version` is the mapper's version_id_col: the UPDATE bumps it and checks the old value.
-    row.updated_at = func.now()
+    if hasattr(row, "updated_at"):
+        row.updated_at = func.now()
     return True
 
 

@@ -10,9 +10,10 @@ when absent.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,25 +26,87 @@ from llmgw.controlplane.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
 from llmgw.engines import MAX_HASH_SEED, is_valid_hash_seed
 
 __all__ = [
+    "LIMITS",
     "AdapterBody",
     "DeploymentCreate",
     "DeploymentOut",
+    "DeploymentStatusOut",
     "DeploymentUpdate",
     "ErrorBody",
     "ErrorDetail",
     "ModelCreate",
     "ModelOut",
     "ModelUpdate",
+    "MultinodeBackend",
+    "Page",
     "ProfileCreate",
     "ProfileOut",
     "ProfileUpdate",
+    "ScaleBody",
     "check_rollout_budget",
+    "name_problem",
 ]
 
-Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+# Bounds on what one request may store. Each is far above any real profile (vLLM's longest
+# command lines run to a few dozen args), and low enough that a body at the size cap cannot
+# become a row that every agent sync then copies to every node. A value past one is a 422
+# naming the field and the bound ("args.3: String should have at most 4096 characters").
+LIMITS: dict[str, int] = {
+    "description_chars": 4096,
+    "args_items": 512,
+    "arg_chars": 4096,
+    "env_items": 256,
+    "env_name_chars": 256,
+    "env_value_chars": 8192,
+    "secret_ref_chars": 1024,
+    "adapters_items": 128,
+    "path_chars": 4096,
+    "short_text_chars": 256,
+}
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an object's name, or None when it can.
+
+    Names may hold slashes (Hugging Face's "org/model"), but never an empty, "." or ".."
+    segment: ordinary clients normalise such paths before sending them, so
+    `DELETE /admin/v1/models/a/../b` would arrive as a delete of model "b".
+    """
+    if not name:
+        return "a name must not be empty"
+    for segment in name.split("/"):
+        if segment in ("", ".", ".."):
+            return (
+                f"a name must not have an empty, '.' or '..' segment between slashes (got "
+                f"{segment!r}): HTTP clients rewrite such paths, so the object could not be "
+                "addressed reliably; use e.g. 'org/model-v1'"
+            )
+    return None
+
+
+def _segments_ok(name: str) -> str:
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN), AfterValidator(_segments_ok)]
 RolloutBudget = Annotated[str, StringConstraints(pattern=ROLLOUT_BUDGET_PATTERN)]
-EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+EnvName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=LIMITS["env_name_chars"]),
+]
+EnvValue = Annotated[str, StringConstraints(max_length=LIMITS["env_value_chars"])]
+SecretRef = Annotated[str, StringConstraints(max_length=LIMITS["secret_ref_chars"])]
+Arg = Annotated[str, StringConstraints(max_length=LIMITS["arg_chars"])]
+Path_ = Annotated[str, StringConstraints(min_length=1, max_length=LIMITS["path_chars"])]
+ShortText = Annotated[str, StringConstraints(max_length=LIMITS["short_text_chars"])]
+Description = Annotated[str, StringConstraints(max_length=LIMITS["description_chars"])]
 Engine = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+# How a multi-node vLLM replica is wired (llmgw.engines.MultinodeBackend); the table's CHECK
+# holds the same two values.
+MultinodeBackend = Literal["ray", "native"]
 
 
 _INT32_MAX = 2**31 - 1
@@ -52,26 +115,37 @@ _INT32_MAX = 2**31 - 1
 _MAX_PARALLEL = 65_536
 
 
-def _no_nul(value: object) -> object:
+def _storable(value: object) -> object:
+    # Never put the value in the message: it may be a secret reference.
     if isinstance(value, str):
         if "\x00" in value:
             raise ValueError("must not contain a NUL character (Postgres cannot store it)")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            # JSON allows "\ud800"; UTF-8 and Postgres do not. Unchecked, it failed inside the
+            # database as a 500, with the value quoted in Postgres' own log.
+            raise ValueError(
+                "must be valid Unicode: it holds a lone surrogate (a \\ud800-\\udfff escape "
+                "without its pair), which cannot be stored; send the character itself or its "
+                "full surrogate pair"
+            ) from None
     elif isinstance(value, list | tuple):
         for v in value:
-            _no_nul(v)
+            _storable(v)
     elif isinstance(value, dict):
         for k, v in value.items():
-            _no_nul(k)
-            _no_nul(v)
+            _storable(k)
+            _storable(v)
     elif isinstance(value, BaseModel):
-        _no_nul(value.model_dump())
+        _storable(value.model_dump())
     return value
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
-    _strings_storable = field_validator("*")(_no_nul)
+    _strings_storable = field_validator("*")(_storable)
 
 
 class _Response(BaseModel):
@@ -90,19 +164,31 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+_Item = TypeVar("_Item")
+
+
+class Page(BaseModel, Generic[_Item]):
+    """One page of a list, in name order."""
+
+    items: list[_Item]
+    next_cursor: str | None = Field(
+        description="Opaque: pass it as ?cursor= for the next page. None: this is the last page."
+    )
+
+
 # --- models -----------------------------------------------------------------
 
 
 class ModelCreate(_Request):
     name: Name
-    description: str = ""
+    description: Description = ""
 
 
 class ModelUpdate(_Request):
     version: int = Field(
         ge=1, le=_INT32_MAX, description="The version you read; a stale one gets 409."
     )
-    description: str | None = None
+    description: Description | None = None
 
 
 class ModelOut(_Response):
@@ -118,32 +204,37 @@ class ModelOut(_Response):
 
 class AdapterBody(_Request):
     name: Name
-    path: Annotated[str, StringConstraints(min_length=1)]
+    path: Path_
 
 
 class _ProfileFields(_Request):
     engine: Engine
-    gpu_class: str = ""
+    gpu_class: ShortText = ""
     tp: int = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Tensor-parallel degree.")
     pp: int = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Pipeline-parallel degree.")
     gpus_per_node: int = Field(
         default=0, ge=0, le=_MAX_PARALLEL, description="0: tp x pp on one node."
     )
     nodes: int = Field(default=1, ge=1, le=_MAX_PARALLEL)
-    model_path: Annotated[str, StringConstraints(min_length=1)]
-    served_model_name: str = Field(default="", description="Empty: the model's name.")
-    args: list[str] = Field(
-        default_factory=list, description="Passed to the engine as argv, in order."
+    model_path: Path_
+    served_model_name: ShortText = Field(default="", description="Empty: the model's name.")
+    args: list[Arg] = Field(
+        default_factory=list,
+        max_length=LIMITS["args_items"],
+        description="Passed to the engine as argv, in order.",
     )
-    env: dict[EnvName, str] = Field(default_factory=dict)
-    secret_env: dict[EnvName, str] = Field(
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=LIMITS["env_items"])
+    secret_env: dict[EnvName, SecretRef] = Field(
         default_factory=dict,
+        max_length=LIMITS["env_items"],
         description="Variable -> secret reference. Write-only: never returned, never logged. "
         "The fingerprint counts the variable names (adding one changes the process), never "
         "the references.",
     )
     adapters: list[AdapterBody] = Field(
-        default_factory=list, description="LoRA adapters, in order."
+        default_factory=list,
+        max_length=LIMITS["adapters_items"],
+        description="LoRA adapters, in order.",
     )
     kv_events: bool = False
     threads: int = Field(
@@ -157,7 +248,12 @@ class _ProfileFields(_Request):
     kv_block_size: int = Field(default=16, ge=1, le=4096)
     kv_hash_algo: Literal["sha256_cbor"] = "sha256_cbor"
     kv_extra_key_format: Literal["tagged", "legacy"] = "tagged"
-    description: str = ""
+    multinode_backend: MultinodeBackend = Field(
+        default="ray",
+        description="How a replica spanning nodes is wired: a Ray cluster, or the engine's own "
+        "multi-node launch (vLLM's --nnodes/--node-rank). Ignored on one node.",
+    )
+    description: Description = ""
 
     @field_validator("kv_hash_seed")
     @classmethod
@@ -182,24 +278,27 @@ class ProfileUpdate(_Request):
         ge=1, le=_INT32_MAX, description="The version you read; a stale one gets 409."
     )
     engine: Engine | None = None
-    gpu_class: str | None = None
+    gpu_class: ShortText | None = None
     tp: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
     pp: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
     gpus_per_node: int | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
     nodes: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
-    model_path: Annotated[str, StringConstraints(min_length=1)] | None = None
-    served_model_name: str | None = None
-    args: list[str] | None = None
-    env: dict[EnvName, str] | None = None
-    secret_env: dict[EnvName, str] | None = None
-    adapters: list[AdapterBody] | None = None
+    model_path: Path_ | None = None
+    served_model_name: ShortText | None = None
+    args: list[Arg] | None = Field(default=None, max_length=LIMITS["args_items"])
+    env: dict[EnvName, EnvValue] | None = Field(default=None, max_length=LIMITS["env_items"])
+    secret_env: dict[EnvName, SecretRef] | None = Field(
+        default=None, max_length=LIMITS["env_items"]
+    )
+    adapters: list[AdapterBody] | None = Field(default=None, max_length=LIMITS["adapters_items"])
     kv_events: bool | None = None
     threads: int | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
     kv_hash_seed: str | None = None
     kv_block_size: int | None = Field(default=None, ge=1, le=4096)
     kv_hash_algo: Literal["sha256_cbor"] | None = None
     kv_extra_key_format: Literal["tagged", "legacy"] | None = None
-    description: str | None = None
+    multinode_backend: MultinodeBackend | None = None
+    description: Description | None = None
 
     _seed_ok = field_validator("kv_hash_seed")(_ProfileFields._seed_ok.__func__)  # type: ignore[attr-defined]
 
@@ -225,6 +324,7 @@ class ProfileOut(_Response):
     kv_block_size: int
     kv_hash_algo: str
     kv_extra_key_format: str
+    multinode_backend: str
     description: str
     fingerprint: str
     version: int
@@ -277,6 +377,28 @@ class DeploymentUpdate(_Request):
     state: Literal["active", "suspended"] | None = None
 
 
+class ScaleBody(_Request):
+    replicas: int = Field(ge=0, le=10_000, description="The desired replica count.")
+
+
+class DeploymentStatusOut(_Response):
+    """The rollout status the reconciler last wrote (all zeros before its first pass)."""
+
+    observed_generation: int = Field(
+        default=0, description="The generation these counts describe; below `generation`: stale."
+    )
+    replicas: int = Field(default=0, description="Replicas that exist (any state).")
+    ready_replicas: int = 0
+    updated_replicas: int = Field(default=0, description="Replicas on the current fingerprint.")
+    available_replicas: int = 0
+    unavailable_replicas: int = 0
+    stalled: bool = Field(default=False, description="The progress deadline passed.")
+    reason: str = Field(
+        default="", description="Why it is not done: unplaceable replicas, a stall, a crash loop."
+    )
+    updated_at: datetime | None = None
+
+
 class DeploymentOut(_Response):
     name: str
     model: str
@@ -287,6 +409,8 @@ class DeploymentOut(_Response):
     max_unavailable: str
     progress_deadline_s: int
     state: str
+    generation: int = Field(description="Bumped by every change of the spec or of its profile.")
+    status: DeploymentStatusOut
     version: int
     created_at: datetime
     updated_at: datetime

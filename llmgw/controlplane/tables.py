@@ -22,31 +22,38 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     String,
     Text,
     UniqueConstraint,
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID, ExcludeConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column, relationship
 
 __all__ = [
     "ApiKey",
     "AuditLog",
     "Base",
+    "BootstrapToken",
     "ClusterInfo",
     "ControlPlaneInstance",
     "Deployment",
+    "DeploymentStatus",
     "GpuAssignment",
+    "GpuClass",
     "Leader",
     "Model",
     "Node",
+    "NodeStatus",
     "Profile",
+    "ReconcileAction",
     "Replica",
     "Shard",
     "UsageBucket",
@@ -73,6 +80,8 @@ SHARD_OBSERVED_STATES = (
     "failed",
 )
 DEPLOYMENT_STATES = ("active", "suspended")
+REPLICA_STATES = ("active", "draining", "stopping")
+MULTINODE_BACKENDS = ("ray", "native")
 NODE_APPROVAL_STATES = ("pending", "approved")
 # A name is what clients type in "model": keep it to characters that survive
 # URLs, shells and Prometheus labels unescaped.
@@ -176,6 +185,12 @@ class Profile(_Versioned, Base):
         ),
         CheckConstraint("engine <> ''", name="engine_set"),
         CheckConstraint("model_path <> ''", name="model_path_set"),
+        CheckConstraint(
+            _in("multinode_backend", MULTINODE_BACKENDS), name="multinode_backend_known"
+        ),
+        # What deployments' composite foreign key points at: a deployment's profile must be
+        # one of its own model's profiles, whoever writes the row.
+        UniqueConstraint("id", "model_id"),
     )
 
     id: Mapped[uuid.UUID] = _uuid_pk()
@@ -204,6 +219,8 @@ class Profile(_Versioned, Base):
     kv_block_size: Mapped[int] = mapped_column(Integer, server_default=text("16"))
     kv_hash_algo: Mapped[str] = mapped_column(Text, server_default="sha256_cbor")
     kv_extra_key_format: Mapped[str] = mapped_column(Text, server_default="tagged")
+    # How a multi-node vLLM replica is wired (llmgw.engines.MultinodeBackend).
+    multinode_backend: Mapped[str] = mapped_column(Text, server_default="ray")
     fingerprint: Mapped[str] = mapped_column(Text)
 
     model: Mapped[Model] = relationship(back_populates="profiles")
@@ -225,6 +242,16 @@ class Deployment(_Versioned, Base):
         ),
         CheckConstraint("progress_deadline_s > 0", name="progress_deadline_positive"),
         CheckConstraint(_in("state", DEPLOYMENT_STATES), name="state_known"),
+        CheckConstraint("generation >= 1", name="generation_positive"),
+        # A profile in use by a deployment cannot be deleted (RESTRICT), and it must belong to
+        # the deployment's model: a replica launched from another model's profile would serve
+        # the wrong weights under this model's name.
+        ForeignKeyConstraint(
+            ["profile_id", "model_id"],
+            ["profiles.id", "profiles.model_id"],
+            name="fk_deployments_profile_id_profiles",
+            ondelete="RESTRICT",
+        ),
     )
 
     id: Mapped[uuid.UUID] = _uuid_pk()
@@ -232,10 +259,7 @@ class Deployment(_Versioned, Base):
     model_id: Mapped[uuid.UUID] = mapped_column(
         ForeignKey("models.id", ondelete="RESTRICT"), index=True
     )
-    # A profile in use by a deployment cannot be deleted (RESTRICT): its replicas would lose their spec.
-    profile_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("profiles.id", ondelete="RESTRICT"), index=True
-    )
+    profile_id: Mapped[uuid.UUID] = mapped_column(index=True)
     pool: Mapped[str] = mapped_column(Text, server_default="default")
     replicas: Mapped[int] = mapped_column(Integer, server_default=text("1"))
     # A count ("1") or a share of the desired replicas ("25%"), resolved by the reconciler as
@@ -245,13 +269,42 @@ class Deployment(_Versioned, Base):
     max_unavailable: Mapped[str] = mapped_column(Text, server_default="0")
     progress_deadline_s: Mapped[int] = mapped_column(Integer, server_default=text("600"))
     state: Mapped[str] = mapped_column(Text, server_default="active")
+    # Bumped by every admin change of the deployment or its profile; the rollout status says
+    # which generation it describes (observed_generation), as Kubernetes does.
+    generation: Mapped[int] = mapped_column(BigInteger, server_default=text("1"))
+
+
+class DeploymentStatus(Base):
+    """A deployment's rollout status, written by the reconciler alone: kept off the
+    deployment's row so status writes never bump the version an admin's update names."""
+
+    __tablename__ = "deployment_status"
+
+    deployment_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True
+    )
+    observed_generation: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    ready_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    updated_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    available_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    unavailable_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    stalled: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    reason: Mapped[str] = mapped_column(Text, server_default="")
+    # When the current unfinished stretch began or last made progress; NULL when complete.
+    progress_started_at: Mapped[datetime | None] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class Node(Base):
+    """A machine that runs an agent: the admins' half (approval, pool, labels, cordon) and
+    the reconciler's ``desired_version``. What the agent reports lives in ``node_status``,
+    so a heartbeat never contends with (or overwrites) an admin's cordon on the same row."""
+
     __tablename__ = "nodes"
     __table_args__ = (
         CheckConstraint(_in("approval_state", NODE_APPROVAL_STATES), name="approval_state_known"),
-        CheckConstraint("agent_epoch >= 0", name="agent_epoch_nonnegative"),
+        CheckConstraint("desired_version >= 0", name="desired_version_nonnegative"),
     )
 
     id: Mapped[uuid.UUID] = _uuid_pk()
@@ -259,32 +312,83 @@ class Node(Base):
     # SHA-256 of the node credential; the credential itself is shown to the agent once.
     credential_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
     approval_state: Mapped[str] = mapped_column(Text, server_default="pending")
-    mgmt_addr: Mapped[str] = mapped_column(Text, server_default="")
     labels: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
     pool: Mapped[str] = mapped_column(Text, server_default="default")
+    cordoned: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    draining: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # The sync ETag: bumped in the same transaction as any change to this node's desired
+    # shards, so an agent whose version matches is told "unchanged" without a shard read.
+    desired_version: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # The token the node registered with; kept for audit after the token is gone.
+    bootstrap_token_id: Mapped[str | None] = mapped_column(
+        ForeignKey("bootstrap_tokens.id", ondelete="SET NULL")
+    )
+    created_at: Mapped[datetime] = _created()
+
+
+class NodeStatus(Base):
+    """What a node's agent reports, written only through the agent API (heartbeats batched)."""
+
+    __tablename__ = "node_status"
+    __table_args__ = (
+        CheckConstraint("agent_epoch >= 0 AND agent_seq >= 0", name="agent_order_nonnegative"),
+    )
+
+    node_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    mgmt_addr: Mapped[str] = mapped_column(Text, server_default="")
     # GPUs (index, UUID, name, memory, compute capability, MIG parent), fabrics and their
-    # HCAs with RoCE GID index, CPU threads, engine versions: as the agent reported them.
+    # HCAs with RoCE GID index, CPU threads, engine versions: llmgw.protocol.NodeInventory.
     inventory: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
-    # A new epoch on every agent start; with the sequence number it orders reports.
+    agent_version: Mapped[str] = mapped_column(Text, server_default="")
+    # A new epoch on every agent start; with the sequence number it orders reports, so a
+    # delayed request of an earlier agent run never overwrites a newer one.
     agent_epoch: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     agent_seq: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     last_sync_at: Mapped[datetime | None] = mapped_column()
-    cordoned: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
-    draining: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+
+
+class BootstrapToken(Base):
+    """A token that lets a new node register: ``llmgwb_<id>_<secret>``, SHA-256 of the secret
+    kept. Expiring, limited in uses and to one pool; optionally its nodes wait for approval."""
+
+    __tablename__ = "bootstrap_tokens"
+    __table_args__ = (
+        CheckConstraint("length(secret_sha256) = 32", name="secret_sha256_length"),
+        CheckConstraint("uses_left IS NULL OR uses_left >= 0", name="uses_left_nonnegative"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    secret_sha256: Mapped[bytes] = mapped_column(LargeBinary, unique=True)
+    description: Mapped[str] = mapped_column(Text, server_default="")
+    pool: Mapped[str] = mapped_column(Text, server_default="default")
+    require_approval: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    expires_at: Mapped[datetime] = mapped_column()
+    # None: any number of nodes until it expires.
+    uses_left: Mapped[int | None] = mapped_column(Integer)
+    revoked: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     created_at: Mapped[datetime] = _created()
 
 
 class Replica(Base):
     __tablename__ = "replicas"
+    __table_args__ = (CheckConstraint(_in("state", REPLICA_STATES), name="state_known"),)
 
     id: Mapped[uuid.UUID] = _uuid_pk()
     # SET NULL, not CASCADE: deleting a deployment must not delete rows describing engines
-    # that are still running. A trigger marks their shards stopped; the reconciler removes
-    # the rows once agents report the engines gone.
+    # that are still running. The reconciler (the leader, fenced) drains and stops them and
+    # removes the rows once agents report the engines gone.
     deployment_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("deployments.id", ondelete="SET NULL"), index=True
     )
     profile_fingerprint: Mapped[str] = mapped_column(Text)
+    # active: serving or on its way; draining: out of routing until idle or drain_deadline;
+    # stopping: shards desired stopped, the row kept until every engine is reported gone.
+    state: Mapped[str] = mapped_column(Text, server_default="active")
+    drain_deadline: Mapped[datetime | None] = mapped_column()
+    # Why the replica is draining or stopping, in the words of the action that did it.
+    reason: Mapped[str] = mapped_column(Text, server_default="")
     created_at: Mapped[datetime] = _created()
 
     shards: Mapped[list[Shard]] = relationship(back_populates="replica", passive_deletes=True)
@@ -297,6 +401,9 @@ class Shard(Base):
     __tablename__ = "shards"
     __table_args__ = (
         UniqueConstraint("replica_id", "rank"),
+        # The target of gpu_assignments' foreign key, which copies node and `released` from
+        # here (ON UPDATE CASCADE) so its constraints can see them.
+        UniqueConstraint("id", "node_id", "released"),
         CheckConstraint("rank >= 0", name="rank_nonnegative"),
         CheckConstraint(_in("desired_state", SHARD_DESIRED_STATES), name="desired_state_known"),
         CheckConstraint(_in("observed_state", SHARD_OBSERVED_STATES), name="observed_state_known"),
@@ -325,8 +432,10 @@ class Shard(Base):
     node_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("nodes.id", ondelete="RESTRICT"))
     rank: Mapped[int] = mapped_column(Integer)
     # --- desired (control plane) ---
-    gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer), server_default="{}")
-    gpu_uuids: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default="{}")
+    # The shard's GPUs are its gpu_assignments rows (ordered by position), and only those: the
+    # arrays gpu_indices/gpu_uuids that once sat here said the same thing a second time, with
+    # nothing to keep the two in step, so the database refused double-booking in one and the
+    # engine was launched from the other. The launch spec's devices are built from the rows.
     hcas: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default="{}")
     fabric: Mapped[str] = mapped_column(Text, server_default="")
     leader_port: Mapped[int | None] = mapped_column(Integer)
@@ -348,6 +457,12 @@ class Shard(Base):
     engine_version: Mapped[str | None] = mapped_column(Text)
     observed_state: Mapped[str] = mapped_column(Text, server_default="pending")
     observed_reason: Mapped[str] = mapped_column(Text, server_default="")
+    # The fingerprint the running process was started from (a rollout landing, seen).
+    observed_fingerprint: Mapped[str] = mapped_column(Text, server_default="")
+    # Where the gateway reaches the engine: the agent's authenticating proxy.
+    proxy_url: Mapped[str] = mapped_column(Text, server_default="")
+    # The end of the engine's log when it failed (bounded by the protocol).
+    log_tail: Mapped[str] = mapped_column(Text, server_default="")
     restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     observed_at: Mapped[datetime | None] = mapped_column()
     started_at: Mapped[datetime | None] = mapped_column()
@@ -359,20 +474,70 @@ class Shard(Base):
 
 
 class GpuAssignment(Base):
-    """Which live shard holds a GPU. The primary key is the invariant: one GPU
-    (by index, or a MIG instance by UUID) belongs to at most one live shard, so a
-    placement bug or two racing leaders fail the insert instead of double-booking."""
+    """The GPUs a shard holds, in the order its engine sees them: the one record of who
+    holds which GPU. Keyed by the physical GPU (node, index) plus an optional MIG slice,
+    so the database itself refuses double-booking, whichever way a placement bug or two
+    racing leaders try it:
+
+    * a whole GPU and any MIG slice of it (either order): the exclusion constraint;
+    * a whole GPU twice, or one slice twice: the two partial unique indexes.
+
+    An exclusion constraint, not a trigger that looks for conflicting rows: a trigger's
+    check reads a snapshot, so two transactions inserting at once (or any under REPEATABLE
+    READ) each miss the other's row and both commit; constraint indexes see uncommitted rows
+    and make the second writer wait for the first, then fail. Only live shards count: a
+    released shard's rows stay (they say what it held) but no longer block its GPUs.
+    """
 
     __tablename__ = "gpu_assignments"
+    __table_args__ = (
+        # node_id and shard_released are the shard's own node and `released`, copied and kept
+        # in step by the foreign key (a row cannot name another node than its shard's).
+        ForeignKeyConstraint(
+            ["shard_id", "node_id", "shard_released"],
+            ["shards.id", "shards.node_id", "shards.released"],
+            name="fk_gpu_assignments_shard",
+            ondelete="CASCADE",
+            onupdate="CASCADE",
+        ),
+        CheckConstraint("position >= 0", name="position_nonnegative"),
+        CheckConstraint("gpu_index >= 0", name="gpu_index_nonnegative"),
+        CheckConstraint("mig_uuid IS NULL OR mig_uuid LIKE 'MIG-%'", name="mig_uuid_format"),
+        # Same GPU, one row whole and the other a slice: refused. (Two slices compare equal
+        # here and pass; two wholes too, which the first index below refuses.)
+        ExcludeConstraint(
+            ("node_id", "="),
+            ("gpu_index", "="),
+            (text("((mig_uuid IS NULL)::integer)"), "<>"),
+            name="ex_gpu_assignments_whole_or_slices",
+            using="gist",
+            where=text("NOT shard_released"),
+        ),
+        Index(
+            "uq_gpu_assignments_whole_gpu_live",
+            "node_id",
+            "gpu_index",
+            unique=True,
+            postgresql_where=text("mig_uuid IS NULL AND NOT shard_released"),
+        ),
+        Index(
+            "uq_gpu_assignments_mig_slice_live",
+            "node_id",
+            "mig_uuid",
+            unique=True,
+            postgresql_where=text("mig_uuid IS NOT NULL AND NOT shard_released"),
+        ),
+    )
 
-    node_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("nodes.id", ondelete="RESTRICT"), primary_key=True
-    )
-    # "3" for GPU index 3, "MIG-<uuid>" for a MIG instance.
-    gpu_key: Mapped[str] = mapped_column(Text, primary_key=True)
-    shard_id: Mapped[uuid.UUID] = mapped_column(
-        ForeignKey("shards.id", ondelete="CASCADE"), index=True
-    )
+    shard_id: Mapped[uuid.UUID] = mapped_column(primary_key=True)
+    # Index into the shard's device list (CUDA_VISIBLE_DEVICES order; rank-local device i).
+    position: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    node_id: Mapped[uuid.UUID] = mapped_column()
+    # The physical GPU's NVML index; for a MIG slice, its parent GPU's.
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    # NULL: the whole GPU; "MIG-<uuid>": one MIG instance of it.
+    mig_uuid: Mapped[str | None] = mapped_column(Text)
+    shard_released: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
 
 class ApiKey(_Versioned, Base):
@@ -473,3 +638,35 @@ class Leader(Base):
     holder: Mapped[str] = mapped_column(Text, server_default="")
     epoch: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     acquired_at: Mapped[datetime | None] = mapped_column()
+
+
+class GpuClass(Base):
+    """A GPU class profiles name (``gpu_class``), matched against the GPU names agents report
+    (NVML's, e.g. "NVIDIA H100 80GB HBM3") by a regular expression. Stored, not configured per
+    process, so every control plane places by the same rules."""
+
+    __tablename__ = "gpu_classes"
+    __table_args__ = (CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),)
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    pattern: Mapped[str] = mapped_column(Text)
+    description: Mapped[str] = mapped_column(Text, server_default="")
+    created_at: Mapped[datetime] = _created()
+
+
+class ReconcileAction(Base):
+    """What the reconciler did and why, newest kept: the answer to "why did my replica
+    restart?". Bounded: the leader trims it to the newest rows on each pass."""
+
+    __tablename__ = "reconcile_actions"
+    __table_args__ = (Index("ix_reconcile_actions_deployment", "deployment", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = _created()
+    # The leader epoch that applied it.
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    action: Mapped[str] = mapped_column(Text)
+    deployment: Mapped[str] = mapped_column(Text, server_default="")
+    replica_id: Mapped[uuid.UUID | None] = mapped_column()
+    node: Mapped[str] = mapped_column(Text, server_default="")
+    reason: Mapped[str] = mapped_column(Text, server_default="")

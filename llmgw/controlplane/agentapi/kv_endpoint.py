@@ -1,0 +1,60 @@
+"""The KV-delta endpoint's core: decode, throttle full copies, hand over to ``KvIntake``.
+
+Runs on the event loop with no I/O: the node was authenticated from memory and the body read
+under its cap by the HTTP shell (``router.py``); ``placed`` is ``PlacedCache``'s map, never a
+query (design §5: no database traffic on the KV path).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+
+from llmgw.controlplane.agentapi.errors import AgentApiRefusal
+from llmgw.controlplane.agentapi.kv_intake import FullCopyLimiter, KvIntake
+from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
+from llmgw.controlplane.agentapi.placed import PlacedCache
+from llmgw.protocol.kvstream import KvStreamError, decode_kv_request, encode_kv_response
+
+__all__ = ["KvHandler"]
+
+
+class KvHandler:
+    def __init__(
+        self,
+        intake: KvIntake,
+        placed: PlacedCache,
+        limiter: FullCopyLimiter,
+        metrics: AgentApiMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.intake = intake
+        self.placed = placed
+        self.limiter = limiter
+        self.metrics = metrics
+        self.clock = clock
+
+    def handle(self, node_id: uuid.UUID, body: bytes) -> bytes:
+        """The response body for one request from ``node_id``; raises ``AgentApiRefusal``."""
+        try:
+            request = decode_kv_request(body)
+        except KvStreamError as exc:
+            self.metrics.kv_requests.labels("invalid").inc()
+            raise AgentApiRefusal(400, "malformed-json", exc.message) from None
+        if request.reset:
+            wait_s = self.limiter.admit(self.clock())
+            if wait_s is not None:
+                self.metrics.kv_requests.labels("throttled").inc()
+                raise AgentApiRefusal(
+                    429,
+                    "too-many-requests",
+                    "too many full KV copies at once (after a control plane restart every "
+                    "agent sends one); retry after the Retry-After seconds",
+                    headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+                )
+        result = self.intake.apply(str(node_id), request, self.placed.placed_map())
+        self.metrics.kv_requests.labels(result).inc()
+        return encode_kv_response(result)

@@ -1,0 +1,139 @@
+"""Every registered node's sync-relevant row, in memory: how unchanged syncs cost no query.
+
+At 1,000 nodes syncing every 2 s, reading the node's row on every sync is 500 queries a
+second for answers that almost never change. Instead the whole table (credential hash,
+approval, drain, desired_version, stored report order) is read in ONE statement every
+``refresh_s``, and an unchanged sync is decided from memory. What that costs, bounded by
+``refresh_s``:
+
+- a desired set the reconciler changed reaches its agent up to ``refresh_s`` later (on top
+  of the agent's sync interval); the changed path itself always reads the node fresh, in its
+  transaction, and stores what it read here, so one change is never answered twice;
+- a deleted node or replaced credential is still accepted on UNCHANGED syncs and on the KV
+  path for up to ``refresh_s``. Those write nothing but a heartbeat (which for a deleted
+  node matches no row); any sync that writes re-checks the credential against the row.
+
+``refresh_s = 0`` reads the row on every sync instead (no staleness, a query per sync); the
+table is then still re-read every ``background_s`` for the KV path's credentials.
+
+``desired_version`` and the report order only grow, so merging keeps the larger of what a
+refresh read and what this process wrote meanwhile: a refresh that started before a sync's
+commit never moves a node back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import replace
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from llmgw.controlplane.agent_queries import SyncNode, read_sync_node, read_sync_nodes
+from llmgw.logs import get_logger
+
+__all__ = ["NodeTable"]
+
+log = get_logger("llmgw.controlplane.agentapi")
+
+# A miss on the KV path (a node that registered on another instance a moment ago) triggers a
+# refresh, but at most this often: random node ids in forged headers must not each cost a
+# query.
+_MISS_REFRESH_MIN_S = 1.0
+
+
+def _merged(new: SyncNode, held: SyncNode | None) -> SyncNode:
+    if held is None or held.credential_hash != new.credential_hash:
+        return new
+    order = max((new.agent_epoch, new.agent_seq), (held.agent_epoch, held.agent_seq))
+    return replace(
+        new,
+        desired_version=max(new.desired_version, held.desired_version),
+        agent_epoch=order[0],
+        agent_seq=order[1],
+    )
+
+
+class NodeTable:
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        *,
+        refresh_s: float,
+        background_s: float = 5.0,
+    ) -> None:
+        self.sessions = sessions
+        self.refresh_s = refresh_s
+        self.period_s = refresh_s if refresh_s > 0 else background_s
+        self.nodes: dict[uuid.UUID, SyncNode] = {}
+        self._refreshed_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._miss_task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> None:
+        self._refreshed_at = time.monotonic()
+        async with self.sessions() as session, session.begin():
+            rows = await read_sync_nodes(session)
+        held = self.nodes
+        self.nodes = {n.id: _merged(n, held.get(n.id)) for n in rows}
+
+    def put(self, node: SyncNode) -> None:
+        """Record a row this process just read (or wrote) fresh."""
+        self.nodes[node.id] = _merged(node, self.nodes.get(node.id))
+
+    def forget(self, node_id: uuid.UUID) -> None:
+        self.nodes.pop(node_id, None)
+
+    async def read_fresh(self, node_id: uuid.UUID) -> SyncNode | None:
+        async with self.sessions() as session, session.begin():
+            node = await read_sync_node(session, node_id)
+        if node is None:
+            self.forget(node_id)
+        else:
+            self.put(node)
+        return node
+
+    async def lookup(self, node_id: uuid.UUID) -> SyncNode | None:
+        """For sync: the cached row, or a fresh read for a node not cached (or always, with
+        ``refresh_s = 0``)."""
+        if self.refresh_s > 0:
+            cached = self.nodes.get(node_id)
+            if cached is not None:
+                return cached
+        return await self.read_fresh(node_id)
+
+    def cached(self, node_id: uuid.UUID) -> SyncNode | None:
+        """For the KV path, which never queries: a miss schedules a (rate-limited) refresh."""
+        found = self.nodes.get(node_id)
+        if (
+            found is None
+            and time.monotonic() - self._refreshed_at >= _MISS_REFRESH_MIN_S
+            and (self._miss_task is None or self._miss_task.done())
+        ):
+            self._miss_task = asyncio.create_task(self._refresh_quietly())
+        return found
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh()
+        except Exception as exc:  # the database may be down: keep answering from memory
+            log.warning("node_table_refresh_failed", error=repr(exc))
+
+    async def start(self) -> None:
+        await self._refresh_quietly()
+        self._task = asyncio.create_task(self._run(), name="agent-node-table-refresh")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            await self._refresh_quietly()
+
+    async def stop(self) -> None:
+        for task in (self._task, self._miss_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._miss_task = None

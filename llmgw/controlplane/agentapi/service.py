@@ -1,0 +1,185 @@
+"""One process's agent API: its handlers, caches and background loops, started and stopped
+together.
+
+Background loops (each in its own short transactions, each surviving a database outage):
+the batched heartbeat flush, this instance's row in ``controlplane_instances`` with the
+live list, the node table (credentials, approval, desired versions: ``nodes.py``) and the
+placed-shard map the KV path reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from llmgw.config import AgentApiSettings
+from llmgw.controlplane.agent_queries import read_cluster_id
+from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
+from llmgw.controlplane.agentapi.errors import AgentApiRefusal
+from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
+from llmgw.controlplane.agentapi.kv_endpoint import KvHandler
+from llmgw.controlplane.agentapi.kv_intake import FullCopyLimiter, KvIntake
+from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
+from llmgw.controlplane.agentapi.nodes import NodeTable
+from llmgw.controlplane.agentapi.placed import PlacedCache
+from llmgw.controlplane.agentapi.register import RegisterHandler
+from llmgw.controlplane.agentapi.sync import SyncHandler
+from llmgw.controlplane.instances import InstanceHeartbeat, InstanceIdentity
+from llmgw.logs import get_logger
+
+__all__ = ["AgentApi"]
+
+log = get_logger("llmgw.controlplane.agentapi")
+
+
+class AgentApi:
+    def __init__(
+        self,
+        *,
+        settings: AgentApiSettings,
+        sessions: async_sessionmaker[AsyncSession],
+        instance: InstanceIdentity,
+        registry: CollectorRegistry,
+        intake: KvIntake | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.metrics = AgentApiMetrics.create(registry)
+        # The gateway's router reads this intake's index: pass the shared one in.
+        self.intake = intake if intake is not None else KvIntake()
+        self.instances = InstanceHeartbeat(
+            sessions, instance, period_s=settings.instance_heartbeat_s
+        )
+        self.heartbeats = HeartbeatBatcher(
+            sessions, period_s=settings.heartbeat_flush_s, metrics=self.metrics
+        )
+        self.placed = PlacedCache(sessions, self.intake, refresh_s=settings.placed_refresh_s)
+        self.nodes = NodeTable(
+            sessions, refresh_s=settings.node_refresh_s, background_s=settings.placed_refresh_s
+        )
+        self.kv = KvHandler(
+            self.intake,
+            self.placed,
+            FullCopyLimiter(
+                rate_per_s=settings.kv_full_copy_rate_per_s, burst=settings.kv_full_copy_burst
+            ),
+            self.metrics,
+        )
+        self._sync: SyncHandler | None = None
+        self._register: RegisterHandler | None = None
+        self._retry: asyncio.Task[None] | None = None
+
+    @property
+    def sync(self) -> SyncHandler:
+        if self._sync is None:
+            raise _starting()
+        return self._sync
+
+    @property
+    def register(self) -> RegisterHandler:
+        if self._register is None:
+            raise _starting()
+        return self._register
+
+    async def start(self) -> None:
+        """Start the loops and handlers. A database unreachable at start does not fail the
+        process (its other listeners, health and admin API, must come up to say so): the
+        agent API answers 503 until a retry in the background reaches it."""
+        await self.instances.start()
+        await self.nodes.start()
+        await self.placed.start()
+        await self.heartbeats.start()
+        try:
+            await self._start_handlers()
+        except (OperationalError, InterfaceError, OSError) as exc:
+            log.warning("agent_api_waiting_for_database", error=type(exc).__name__)
+            self._retry = asyncio.create_task(self._retry_handlers(), name="agent-api-start")
+
+    async def _retry_handlers(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self._start_handlers()
+                return
+            except (OperationalError, InterfaceError, OSError):
+                continue
+
+    async def _start_handlers(self) -> None:
+        async with self.sessions() as session, session.begin():
+            cluster_id = await read_cluster_id(session)
+        self._sync = SyncHandler(
+            self.sessions,
+            cluster_id=cluster_id,
+            heartbeats=self.heartbeats,
+            instances=self.instances,
+            placed=self.placed,
+            nodes=self.nodes,
+            metrics=self.metrics,
+        )
+        self._register = RegisterHandler(self.sessions, cluster_id=cluster_id, metrics=self.metrics)
+        log.info(
+            "agent_api_started",
+            instance=self.instances.identity.id,
+            cluster_id=cluster_id,
+            internal_url=self.instances.identity.internal_url,
+        )
+
+    async def stop(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
+            self._retry = None
+        self._sync = self._register = None
+        await self.heartbeats.stop()
+        await self.placed.stop()
+        await self.nodes.stop()
+        await self.instances.stop()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[AgentApi]:
+        await self.start()
+        try:
+            yield self
+        finally:
+            await self.stop()
+
+    async def authenticate(self, credential: NodeCredential, *, endpoint: str) -> None:
+        """Check a node credential from the headers, before any body is read.
+
+        From ``NodeTable`` when the node is known; sync (``endpoint="sync"``) falls back to
+        the node's row for a node not in it yet (registered a moment ago). The KV path never
+        queries: an unknown node is refused, and a refresh (rate-limited) picks it up for
+        its retry.
+        """
+        node = self.nodes.cached(credential.node_id)
+        if node is None and endpoint == "sync":
+            node = await self.nodes.lookup(credential.node_id)
+        stored = None if node is None else node.credential_hash
+        if not hash_matches(credential.secret, stored):
+            reason = "unknown_node" if stored is None else "wrong_credential"
+            self.metrics.auth_failures.labels(endpoint, reason).inc()
+            raise unauthorized(credential.node_id)
+
+
+def unauthorized(node_id: uuid.UUID | None = None) -> AgentApiRefusal:
+    who = "" if node_id is None else f" for node {node_id}"
+    return AgentApiRefusal(
+        401,
+        "unauthorized",
+        f"missing or wrong node credential{who}: send `Authorization: Bearer llmgwn_...` "
+        "as registration returned it; a deleted node registers again with a bootstrap token",
+    )
+
+
+def _starting() -> AgentApiRefusal:
+    return AgentApiRefusal(
+        503, "database-unavailable", "the agent API is starting; retry in a moment"
+    )

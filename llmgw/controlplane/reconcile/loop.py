@@ -1,0 +1,223 @@
+"""The reconcile loop: the thin shell around ``compute_plan``.
+
+Every control plane runs one; only the leader (``leader.py``) passes. A pass is::
+
+    async with session.begin():
+        await check_epoch(session, epoch)         # fenced: a stale leader writes nothing
+        state = await load_snapshot(session, ...) # a constant number of queries
+        plan = compute_plan(state.snapshot, now)  # pure
+        await apply_plan(session, plan, state, epoch=epoch)
+
+Passes are woken by a periodic tick (APScheduler) and early by NOTIFY on the
+channel admin writes signal. A notification is only a hint: lost or repeated ones do
+no harm, because each pass re-reads everything (level-triggered). A failing pass is
+retried on the next tick with a growing pause, never in a hot loop, and logged with
+its traceback.
+
+This module must NOT compute anything about the fleet; that is the plan's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from llmgw.controlplane.queries import CHANGE_CHANNEL
+from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
+from llmgw.controlplane.reconcile.plan import compute_plan
+from llmgw.controlplane.reconcile.snapshot import PlanSettings
+from llmgw.controlplane.reconcile.store import apply_plan, load_snapshot
+from llmgw.logs import get_logger
+
+__all__ = ["ReconcileMetrics", "Reconciler"]
+
+log = get_logger("llmgw.controlplane.reconcile")
+
+# After a failed pass: wait this long times 2**failures, capped, before the next try.
+_BACKOFF_BASE_S = 0.5
+_BACKOFF_MAX_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileMetrics:
+    passes: Counter
+    failures: Counter
+    duration: Histogram
+    actions: Counter
+    leader: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> ReconcileMetrics:
+        return cls(
+            passes=Counter(
+                "llmgw_reconcile_passes_total", "Reconcile passes run.", registry=registry
+            ),
+            failures=Counter(
+                "llmgw_reconcile_failures_total",
+                "Reconcile passes that failed (retried with backoff).",
+                registry=registry,
+            ),
+            duration=Histogram(
+                "llmgw_reconcile_duration_seconds",
+                "One pass: load, plan and apply.",
+                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                registry=registry,
+            ),
+            actions=Counter(
+                "llmgw_reconcile_actions_total",
+                "Actions applied, by kind.",
+                ["action"],
+                registry=registry,
+            ),
+            leader=Gauge(
+                "llmgw_reconcile_leader",
+                "1 while this control plane leads the reconcile loop.",
+                registry=registry,
+            ),
+        )
+
+
+class Reconciler:
+    """Leader election, wake-ups and passes for one control plane process."""
+
+    def __init__(
+        self,
+        *,
+        sessions: async_sessionmaker[AsyncSession],
+        libpq_url: str,
+        instance_id: str,
+        plan_settings: PlanSettings,
+        tick_s: float = 2.0,
+        metrics: ReconcileMetrics | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._sessions = sessions
+        self._url = libpq_url
+        self._instance_id = instance_id
+        self._settings = plan_settings
+        self._tick_s = tick_s
+        self._metrics = metrics or ReconcileMetrics.create(CollectorRegistry())
+        self._clock = clock
+        self._lock = LeaderLock(libpq_url, instance_id=instance_id)
+        self._wake = asyncio.Event()
+        self._failures = 0
+        self.passes_applied = 0
+
+    @property
+    def epoch(self) -> int | None:
+        return self._lock.epoch
+
+    def wake(self) -> None:
+        """Ask for a pass soon (an admin write in this process, a test)."""
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until ``stop`` is set: lead when possible and pass on every tick or wake-up."""
+        scheduler = AsyncIOScheduler()
+        scheduler.add_job(self.wake, "interval", seconds=self._tick_s, id="reconcile-tick")
+        scheduler.start()
+        listener = asyncio.create_task(self._listen(stop), name="reconcile-listen")
+        try:
+            while not stop.is_set():
+                await self._step()
+                pause = self._pause_s()
+                with contextlib.suppress(TimeoutError):
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    stopper = asyncio.ensure_future(stop.wait())
+                    try:
+                        await asyncio.wait(
+                            {waiter, stopper},
+                            timeout=pause,
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                    finally:
+                        waiter.cancel()
+                        stopper.cancel()
+                if self._failures == 0:
+                    self._wake.clear()
+        finally:
+            scheduler.shutdown(wait=False)
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+            await self._lock.release()
+            self._metrics.leader.set(0)
+
+    def _pause_s(self) -> float:
+        if self._failures:
+            return float(min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**self._failures))
+        return self._tick_s
+
+    async def _step(self) -> None:
+        epoch = self._lock.epoch
+        if epoch is None or not await self._lock.still_held():
+            epoch = await self._lock.try_acquire()
+        self._metrics.leader.set(1 if epoch is not None else 0)
+        if epoch is None:
+            return
+        try:
+            await self.pass_once(epoch)
+            self._failures = 0
+        except FencedError as exc:
+            log.warning("reconcile_fenced", epoch=epoch, error=exc.message)
+            await self._lock.release()
+        except Exception:
+            # Transient (Postgres restarting, a serialization failure): retried with backoff.
+            self._failures += 1
+            self._metrics.failures.inc()
+            log.exception("reconcile_failed", epoch=epoch, failures=self._failures)
+
+    async def pass_once(self, epoch: int) -> dict[str, int]:
+        """One fenced pass; returns the actions applied by kind."""
+        start = time.perf_counter()
+        now = self._clock()
+        async with self._sessions() as session, session.begin():
+            await check_epoch(session, epoch)
+            state = await load_snapshot(session, settings=self._settings, now=now)
+            plan = compute_plan(state.snapshot, now)
+            if plan:
+                await apply_plan(session, plan, state, epoch=epoch)
+        counts = plan.counts()
+        self._metrics.passes.inc()
+        self._metrics.duration.observe(time.perf_counter() - start)
+        for kind, n in counts.items():
+            self._metrics.actions.labels(kind).inc(n)
+        if plan:
+            self.passes_applied += 1
+            log.info("reconciled", epoch=epoch, **counts)
+        for deployment, why in state.broken.items():
+            log.warning("profile_unlaunchable", deployment=deployment, reason=why)
+        return counts
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        """LISTEN on a dedicated autocommit connection; reconnect with backoff when it drops."""
+        failures = 0
+        while not stop.is_set():
+            try:
+                conn: psycopg.AsyncConnection[Any] = await psycopg.AsyncConnection.connect(
+                    self._url,
+                    autocommit=True,
+                    application_name=f"llmgw-listen-{self._instance_id}"[:63],
+                )
+                async with conn:
+                    await conn.execute(f"LISTEN {CHANGE_CHANNEL}")
+                    if failures:
+                        log.info("reconcile_listen_restored")
+                    failures = 0
+                    async for _note in conn.notifies():
+                        self._wake.set()
+            except psycopg.Error as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("reconcile_listen_lost", error=type(exc).__name__)
+                await asyncio.sleep(min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures))

@@ -1,0 +1,439 @@
+"""The node agent: inventory, registration, the sync loop, the supervisor and the KV relay,
+wired together and run until SIGTERM.
+
+Stopping the agent never stops an engine: engines run under their own
+wrappers, and the systemd unit uses KillMode=process (config/llmgw-agent.service),
+so `systemctl restart llmgw-agent` replaces the agent alone and the new one
+adopts what runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from llmgw.config import AgentSettings
+from llmgw.engines import EngineRegistry, EnginesConfig, SimConfig, base_env_from
+from llmgw.engines.engine import host_port
+from llmgw.errors import ConfigError
+from llmgw.logs import get_logger
+from llmgw.nodeagent.client import ControlPlaneClient
+from llmgw.nodeagent.inventory import (
+    FileGpuSource,
+    GpuSource,
+    NvmlGpuSource,
+    SimulatedGpuSource,
+    collect_inventory,
+    load_inventory_file,
+)
+from llmgw.nodeagent.metrics import AgentMetrics, EndpointServer
+from llmgw.nodeagent.policy import LocalPolicy
+from llmgw.nodeagent.prepare import NodeFacts
+from llmgw.nodeagent.records import ShardRecord
+from llmgw.nodeagent.state import AgentState
+from llmgw.nodeagent.supervisor import Supervisor, SupervisorConfig
+from llmgw.nodeagent.sync import SyncLoop, SyncTiming
+from llmgw.protocol import ControlPlaneInstance, FabricInfo, NodeInventory, SyncResponse
+
+__all__ = ["Agent", "AgentOptions", "agent_version", "default_mgmt_addr"]
+
+log = get_logger("llmgw.nodeagent")
+
+# How often the inventory is read again (XID/ECC counters, a GPU that fell off the bus).
+_INVENTORY_REFRESH_S = 30.0
+
+
+def agent_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("llmgw")
+    except Exception:
+        return "0+unknown"
+
+
+def default_mgmt_addr(controlplane_url: str) -> str:
+    """The local address of the interface that routes to the control plane."""
+    host = urlsplit(controlplane_url).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: no packet is sent
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOptions:
+    """What the command line adds to the settings."""
+
+    state_dir: Path
+    bootstrap_token: str = ""
+    environ: Mapping[str, str] | None = None
+
+
+class _KvHooks:
+    """Supervisor hooks feeding the KV relay (llmgw/nodeagent/kvrelay.py)."""
+
+    def __init__(self, relay: Any) -> None:
+        self.relay = relay
+
+    def _watch(self, rec: ShardRecord) -> None:
+        if rec.kv_events_port > 0:
+            self.relay.watch(
+                rec.shard_id,
+                sub_port=rec.kv_events_port,
+                replay_port=rec.kv_replay_port or None,
+                model=rec.model or str(rec.spec.get("profile", {}).get("served_model_name", "")),
+                engine_generation=rec.generation,
+            )
+
+    def before_start(self, record: ShardRecord) -> None:
+        self._watch(record)
+
+    def adopted(self, record: ShardRecord) -> None:
+        self._watch(record)
+
+    def gone(self, shard_id: str) -> None:
+        self.relay.unwatch(shard_id)
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, options: AgentOptions) -> None:
+        self.settings = settings
+        self.environ: Mapping[str, str] = (
+            options.environ if options.environ is not None else dict(os.environ)
+        )
+        self.state = AgentState(options.state_dir)
+        self._token = options.bootstrap_token
+        self.node_name = settings.node_name or socket.gethostname()
+        self.mgmt_addr = settings.mgmt_addr or default_mgmt_addr(settings.controlplane_url)
+        if settings.engine_bind_addr not in ("127.0.0.1", "::1", "localhost") and not (
+            settings.trusted_management_network
+        ):
+            raise ConfigError(
+                f"agent.engine_bind_addr {settings.engine_bind_addr!r} puts engines on a network: "
+                "they are no security boundary (design §6). Keep 127.0.0.1 and let the agent's "
+                "proxy expose them, or set agent.trusted_management_network = true",
+                field="agent.engine_bind_addr",
+            )
+        engines_cfg = EnginesConfig.model_validate(settings.engines)
+        if engines_cfg.sim.python_executable == SimConfig().python_executable:
+            # The simulator runs the same llmgw as the agent.
+            engines_cfg = engines_cfg.model_copy(
+                update={"sim": SimConfig(python_executable=sys.executable)}
+            )
+        self.engines_cfg = engines_cfg
+        self.registry = EngineRegistry(engines_cfg)
+        self.gpu_source = self._gpu_source()
+        self._file_fabrics: list[FabricInfo] = []
+        self._file_overrides: tuple[int | None, int | None] = (None, None)
+        if settings.inventory_file:
+            inv_file = load_inventory_file(settings.inventory_file)
+            self._file_fabrics = inv_file.fabric_infos()
+            self._file_overrides = (inv_file.cpu_threads, inv_file.memory_total_mb)
+        self.policy = LocalPolicy(
+            allowed_model_roots=tuple(settings.policy.allowed_model_roots),
+            allowed_engines=tuple(settings.policy.allowed_engines),
+            refused_flags=tuple(settings.policy.refused_flags),
+            allowed_adapter_sources=tuple(settings.policy.allowed_adapter_sources),
+        )
+        self.inventory: NodeInventory = self._collect_inventory()
+        self._inventory_at = time.monotonic()
+        self.relay: Any = None
+        self.supervisor = Supervisor(
+            SupervisorConfig(
+                shards_root=self.state.shards_root,
+                wrapper_argv=(sys.executable, "-m", "llmgw", "shard-run"),
+                port_range=(settings.port_range_start, settings.port_range_end),
+                stop_grace_s=settings.stop_grace_s,
+                start_timeout_s=settings.start_timeout_s,
+                restart_backoff_min_s=settings.restart_backoff_min_s,
+                restart_backoff_max_s=settings.restart_backoff_max_s,
+                crash_loop_after=settings.crash_loop_after,
+                stable_after_s=settings.stable_after_s,
+                log_max_bytes=settings.log_max_bytes,
+                log_backups=settings.log_backups,
+                adapter_root=self.state.root / "adapters",
+                adapter_max_bytes=settings.policy.adapter_max_bytes,
+                adapter_allow_loopback=settings.policy.adapter_fetch_allow_loopback,
+            ),
+            self.registry,
+            self._facts,
+            self.gpu_source,
+            wrapper_env=base_env_from(self.environ),
+        )
+        self.client = ControlPlaneClient(
+            settings.controlplane_url,
+            ca_file=settings.controlplane_ca_file,
+            allow_insecure_http=settings.allow_insecure_http,
+            timeout_s=settings.sync_timeout_s,
+        )
+        self.sync: SyncLoop | None = None
+        self.proxy: Any = None
+        self.proxy_port = 0
+        self._routes: dict[str, Any] = {}
+        self.metrics: AgentMetrics | None = None
+        self.endpoints: EndpointServer | None = None
+        self._wake = asyncio.Event()
+
+    # --- node facts ---------------------------------------------------------------
+
+    def _gpu_source(self) -> GpuSource:
+        s = self.settings
+        if s.sim_gpus and s.inventory_file:
+            raise ConfigError(
+                "--sim-gpus and --inventory-file both describe the GPUs; pass one",
+                field="agent.sim_gpus",
+            )
+        if s.sim_gpus:
+            return SimulatedGpuSource(s.sim_gpus, node_name=self.node_name)
+        if s.inventory_file:
+            return FileGpuSource(load_inventory_file(s.inventory_file))
+        try:
+            return NvmlGpuSource()
+        except ConfigError:
+            log.warning(
+                "nvml_unavailable",
+                hint="no GPUs reported; use --sim-gpus N or --inventory-file on CPU machines",
+            )
+            return FileGpuSource(load_inventory_file_empty())
+
+    def _collect_inventory(self) -> NodeInventory:
+        fabrics = [
+            FabricInfo(name=f.name, kind=f.kind, hcas=tuple(f.hcas), gid_index=f.gid_index)
+            for f in self.settings.fabrics
+        ]
+        threads, mem = self._file_overrides
+        return collect_inventory(
+            self.gpu_source,
+            fabrics=[*fabrics, *self._file_fabrics],
+            engines=self.engines_cfg,
+            llmgw_version=agent_version(),
+            cpu_threads_override=self.settings.cpu_threads or threads,
+            memory_override_mb=mem,
+        )
+
+    def current_inventory(self) -> NodeInventory:
+        if time.monotonic() - self._inventory_at > _INVENTORY_REFRESH_S:
+            self.inventory = self._collect_inventory()
+            self._inventory_at = time.monotonic()
+        return self.inventory
+
+    def _facts(self) -> NodeFacts:
+        return NodeFacts(
+            gpus=self.inventory.gpus,
+            fabrics=self.inventory.fabrics,
+            mgmt_addr=self.mgmt_addr,
+            bind_addr=self.settings.engine_bind_addr,
+            policy=self.policy,
+            environ=self.environ,
+            base_env=base_env_from(self.environ),
+        )
+
+    def _bootstrap_token(self) -> str:
+        if self._token:
+            return self._token
+        s = self.settings
+        if s.bootstrap_token_file:
+            try:
+                return Path(s.bootstrap_token_file).read_text().strip()
+            except OSError as e:
+                log.error(
+                    "bootstrap_token_unreadable", path=s.bootstrap_token_file, error=e.strerror
+                )
+                return ""
+        return s.bootstrap_token
+
+    # --- wiring ---------------------------------------------------------------------
+
+    def _proxy_url(self, shard_id: str) -> str:
+        """Where the gateway reaches a ready shard: the agent's authenticating proxy
+        (design §6), http://<mgmt_addr>:<proxy port>/shards/<shard_id>."""
+        if self.proxy is None or shard_id not in self._routes:
+            return ""
+        return f"http://{host_port(self.mgmt_addr, self.proxy_port)}/shards/{shard_id}"
+
+    def _update_routes(self) -> None:
+        """Expose every ready leader whose key the control plane has given (after an
+        agent restart, only once the first sync brought the keys back)."""
+        routes: dict[str, Any] = {}
+        if self.proxy is None:
+            return
+        from llmgw.nodeagent.proxy import ProxyRoute
+
+        for sid, rt in self.supervisor.runtimes.items():
+            desired = (self.supervisor.desired or {}).get(sid)
+            if (
+                rt.phase == "live"
+                and rt.health == "ready"
+                and rt.record.http_port > 0
+                and int(rt.record.spec.get("rank", 0) or 0) == 0
+                and desired is not None
+                and desired.digest == rt.record.digest
+                and desired.desired.engine_api_key
+            ):
+                routes[sid] = ProxyRoute(rt.record.http_port, desired.desired.engine_api_key)
+        if set(routes) != set(self._routes) or routes != self._routes:
+            self.proxy.set_routes(routes)
+            self._routes = routes
+
+    def _bindings(self) -> list[Any]:
+        return self.supervisor.bindings(proxy_url=self._proxy_url)
+
+    async def _apply(self, resp: SyncResponse) -> None:
+        assert resp.shards is not None
+        self.supervisor.set_desired(resp.shards, confirmed_drain=resp.confirmed_drain)
+        self._wake.set()
+
+    def _on_instances(self, instances: tuple[ControlPlaneInstance, ...]) -> None:
+        if self.relay is not None:
+            self.relay.set_instances([(i.id, i.internal_url) for i in instances])
+
+    def _start_relay(self) -> None:
+        try:
+            from llmgw.nodeagent.kvrelay import KvRelay
+        except ImportError:
+            log.warning("kv_relay_unavailable")
+            return
+        assert self.metrics is not None
+
+        def auth() -> str:
+            ident = self.sync.identity if self.sync is not None else None
+            return f"Bearer {ident.node_credential}" if ident is not None else ""
+
+        self.relay = KvRelay(
+            state_dir=self.state.root / "kv",
+            auth_header=auth,
+            verify_tls=self.settings.controlplane_ca_file or True,
+            registry=self.metrics.registry,
+        )
+        from llmgw.nodeagent.supervisor import ShardHooks
+
+        hooks: ShardHooks = _KvHooks(self.relay)
+        self.supervisor.hooks = hooks
+
+    async def _start_proxy(self) -> None:
+        try:
+            from llmgw.nodeagent.proxy import EngineProxy
+        except ImportError:
+            log.warning("engine_proxy_unavailable")
+            return
+        self.proxy = EngineProxy(self.mgmt_addr, self.settings.proxy_port)
+        self.proxy_port = await self.proxy.start()
+
+    def health(self) -> dict[str, Any]:
+        sync = self.sync
+        last = sync.last_ok_mono if sync is not None else None
+        return {
+            "status": "ok",
+            "node": sync.identity.node_id if sync is not None and sync.identity else None,
+            "sync_state": sync.state if sync is not None else "starting",
+            "last_sync_age_s": round(time.monotonic() - last, 3) if last is not None else None,
+            "shards": self.supervisor.count_by_state(),
+        }
+
+    # --- running ----------------------------------------------------------------------
+
+    async def _supervise(self, stop: asyncio.Event) -> None:
+        interval = self.settings.health_interval_s
+        while not stop.is_set():
+            try:
+                await self.supervisor.tick()
+                self._update_routes()
+            except Exception:
+                log.exception("supervisor_pass_failed")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.state.ensure()
+        epoch = self.state.new_epoch()
+        self.supervisor.recover()
+        # Probe what was adopted before the first sync, so the first report
+        # already says which engines are ready.
+        await self.supervisor.tick()
+        sync = SyncLoop(
+            self.client,
+            self.state,
+            timing=SyncTiming(
+                interval_s=self.settings.sync_interval_s,
+                backoff_max_s=self.settings.sync_backoff_max_s,
+            ),
+            epoch=epoch,
+            node_name=self.node_name,
+            mgmt_addr=self.mgmt_addr,
+            agent_version=agent_version(),
+            bootstrap_token=self._bootstrap_token,
+            inventory=self.current_inventory,
+            bindings=self._bindings,
+            apply=self._apply,
+            on_instances=self._on_instances,
+        )
+        self.sync = sync
+        if sync.identity is None and not self._bootstrap_token():
+            raise ConfigError(
+                f"this node is not registered (no identity in {self.state.root}) and has no "
+                "bootstrap token: pass --bootstrap-token-file or set LLMGW_AGENT__BOOTSTRAP_TOKEN",
+                field="agent.bootstrap_token",
+            )
+        self.metrics = AgentMetrics(
+            shard_counts=self.supervisor.count_by_state,
+            counters=lambda: dict(self.supervisor.counters),
+            sync_failures=lambda: sync.num_failures_total,
+        )
+        sync._observe_latency = self.metrics.sync_latency.observe
+        self._start_relay()
+        self.endpoints = EndpointServer(
+            self.settings.listen_host, self.settings.listen_port, self.metrics.registry, self.health
+        )
+        port = await self.endpoints.start()
+        await self._start_proxy()
+        log.info(
+            "agent_started",
+            node_name=self.node_name,
+            epoch=epoch,
+            state_dir=str(self.state.root),
+            controlplane=self.client.url,
+            listen=f"{self.settings.listen_host}:{port}",
+            gpus=len(self.inventory.gpus),
+            inventory=self.inventory.source,
+            shards_found=len(self.supervisor.runtimes),
+        )
+        tasks = [
+            asyncio.create_task(sync.run(stop), name="sync"),
+            asyncio.create_task(self._supervise(stop), name="supervise"),
+        ]
+        if self.relay is not None:
+            tasks.append(asyncio.create_task(self.relay.run(), name="kv-relay"))
+        try:
+            await stop.wait()
+        finally:
+            if self.relay is not None:
+                await self.relay.close()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.endpoints.stop()
+            if self.proxy is not None:
+                await self.proxy.stop()
+            await self.supervisor.close()
+            await self.client.close()
+            self.gpu_source.close()
+            log.info("agent_stopped", engines_left_running=len(self.supervisor.runtimes))
+
+
+def load_inventory_file_empty() -> Any:
+    from llmgw.nodeagent.inventory.file import InventoryFile
+
+    return InventoryFile()

@@ -1,0 +1,120 @@
+"""The agent's Prometheus metrics and its local /healthz and /metrics endpoints.
+
+The endpoints listen on a local port (agent.listen_host, loopback by
+default): they say nothing an operator on the node should not see, and
+nothing on them takes an action.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["AgentMetrics", "EndpointServer"]
+
+_STATES = ("starting", "ready", "unhealthy", "draining", "exited", "failed")
+
+
+class _StateCollector(Collector):
+    def __init__(
+        self,
+        shard_counts: Callable[[], dict[str, int]],
+        counters: Callable[[], dict[str, int]],
+        sync_failures: Callable[[], int],
+    ) -> None:
+        self._shard_counts = shard_counts
+        self._counters = counters
+        self._sync_failures = sync_failures
+
+    def collect(self) -> Iterator[Any]:
+        g = GaugeMetricFamily(
+            "llmgw_agent_shards", "Shards on this node by observed state.", labels=["state"]
+        )
+        counts = self._shard_counts()
+        for s in _STATES:
+            g.add_metric([s], counts.get(s, 0))
+        yield g
+        c = CounterMetricFamily(
+            "llmgw_agent_shard_actions",
+            "Supervisor actions since the agent started (start, restart, stop, adopt).",
+            labels=["action"],
+        )
+        for k, v in sorted(self._counters().items()):
+            c.add_metric([k], v)
+        yield c
+        f = CounterMetricFamily(
+            "llmgw_agent_sync_failures", "Failed syncs with the control plane since start."
+        )
+        f.add_metric([], self._sync_failures())
+        yield f
+
+
+class AgentMetrics:
+    def __init__(
+        self,
+        *,
+        shard_counts: Callable[[], dict[str, int]],
+        counters: Callable[[], dict[str, int]],
+        sync_failures: Callable[[], int],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.sync_latency = Histogram(
+            "llmgw_agent_sync_latency_seconds",
+            "Round trip of one sync with the control plane.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.registry.register(_StateCollector(shard_counts, counters, sync_failures))
+
+
+class EndpointServer:
+    """/healthz (JSON) and /metrics (Prometheus text) on a local port."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._registry = registry
+        self._health = health
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        self.started_at = time.time()
+
+    async def _healthz(self, _req: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(self._health()), content_type="application/json")
+
+    async def _metrics(self, _req: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def start(self) -> int:
+        app = web.Application(client_max_size=1024)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = int(sockets[0].getsockname()[1]) if sockets else self._port
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

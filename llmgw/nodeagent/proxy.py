@@ -1,0 +1,245 @@
+"""The engine auth proxy: each ready leader's loopback API, exposed on the management address.
+
+Engines are not a security boundary (design §6): vLLM leaves /tokenize and /metrics open, and
+TensorRT-LLM and Megatron have no authentication at all, so engines bind 127.0.0.1 and the agent
+serves ``http://<mgmt>:<port>/shards/<shard_id>/<path>`` here. For every request, in this order:
+
+1. the path: only ``/v1/*``, ``/tokenize``, ``/health`` and ``/metrics`` of a known shard, judged
+   on the raw (undecoded) path so ``..``, ``%2e%2e`` or ``%2f`` cannot climb out of the shard's
+   prefix to an engine's admin routes; anything else is 404;
+2. ``Authorization: Bearer <that shard's key>``, compared in constant time, before a byte of
+   the body is read (401 otherwise): an unauthenticated client cannot make the agent buffer;
+3. the body, capped at ``max_body_bytes`` (413), declared length first, then as it arrives;
+4. forwarded to ``127.0.0.1:<upstream_port>`` with the Authorization header kept (the engine
+   checks its key too), over a pooled client; the response streams back chunk by chunk as it
+   arrives (SSE tokens are not held back), and each write waits for the client to drain, so a
+   slow client holds at most the transport's buffer, not the whole answer.
+
+aiohttp's low-level server rather than a raw ASGI app under uvicorn: measured (proxy process
+CPU, 1500 requests through each to a simulator, 8 concurrent, 2026-11) the two are within ~15%
+either way: 0.46 vs 0.39 ms per streamed 32-token completion (uvicorn+httptools ahead), 0.29 vs
+0.35 ms per plain one (aiohttp ahead). One framework for both sides of the proxy and no second
+server stack in the agent decided it. Errors use OpenAI's shape, since the gateway relays them.
+This module must NOT log keys or request bodies, nor import the control plane.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from llmgw.logs import get_logger
+
+__all__ = ["ALLOWED_PATHS", "EngineProxy", "ProxyRoute"]
+
+_log = get_logger(__name__)
+
+# Exact paths besides the /v1/ prefix; the gateway needs nothing else of an engine.
+ALLOWED_PATHS = frozenset({"/tokenize", "/health", "/metrics"})
+_METHODS = frozenset({"GET", "HEAD", "POST"})
+# Per RFC 9110 §7.6.1, plus the ones a proxy must not pass on.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+# Encoded dot, slash or backslash: decoded by some engines' routers after our check.
+_ENCODED_TRAVERSAL = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
+_SHARD_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRoute:
+    """Where a shard's engine listens on loopback, and the key clients must present."""
+
+    upstream_port: int
+    api_key: str = field(repr=False)  # never printed: reprs end up in logs
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None,
+            "code": code,
+        }
+    }
+    return web.Response(status=status, body=json.dumps(body), content_type="application/json")
+
+
+def split_path(raw_path: str) -> tuple[str, str] | None:
+    """``/shards/<id>/<rest>`` -> (id, rest) if ``rest`` is an allowed engine path, else None."""
+    path = raw_path.split("?", 1)[0]
+    if not path.startswith("/shards/") or "\\" in path or _ENCODED_TRAVERSAL.search(path):
+        return None
+    shard, sep, rest = path[len("/shards/") :].partition("/")
+    if not sep or not _SHARD_SEGMENT.fullmatch(shard) or shard in (".", ".."):
+        return None
+    rest = "/" + rest
+    segments = rest.split("/")[1:]
+    if any(s in ("", ".", "..") for s in segments):
+        return None
+    if rest in ALLOWED_PATHS or (rest.startswith("/v1/") and len(rest) > len("/v1/")):
+        return shard, rest
+    return None
+
+
+class EngineProxy:
+    """The authenticating reverse proxy in front of every ready leader on this node."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        *,
+        max_body_bytes: int = 32 * 1024 * 1024,
+        upstream_host: str = "127.0.0.1",
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float | None = 600.0,
+    ) -> None:
+        if max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be positive")
+        self.host = host
+        self.port = port
+        self.max_body_bytes = max_body_bytes
+        self._upstream_host = upstream_host
+        # No total timeout: a long generation streams for minutes. A read timeout catches an
+        # engine that stopped answering mid-stream.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
+        self._routes: dict[str, ProxyRoute] = {}
+        self._runner: web.ServerRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def set_routes(self, routes: Mapping[str, ProxyRoute]) -> None:
+        """Replace the served shards (the agent calls it as leaders become ready or go)."""
+        self._routes = dict(routes)
+
+    async def start(self) -> int:
+        """Listen; returns the bound port (useful with ``port=0``)."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=self._timeout,
+            auto_decompress=False,  # pass bytes through untouched, Content-Encoding and all
+        )
+        server = web.Server(self._handle)
+        self._runner = web.ServerRunner(server, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server_sockets = getattr(site._server, "sockets", None) or []
+        if server_sockets:
+            self.port = int(server_sockets[0].getsockname()[1])
+        _log.info("engine_proxy_listening", host=self.host, port=self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        found = split_path(request.raw_path)
+        route = self._routes.get(found[0]) if found is not None else None
+        if found is None or route is None:
+            return _error(404, "not-found", "no such shard or path on this engine proxy")
+        shard, rest = found
+        if request.method not in _METHODS:
+            return _error(405, "method-not-allowed", f"method {request.method} is not proxied")
+        presented = request.headers.get("Authorization", "").encode("utf-8", "replace")
+        expected = f"Bearer {route.api_key}".encode()
+        if not hmac.compare_digest(presented, expected):
+            return _error(401, "unauthorized", f"missing or wrong API key for shard {shard}")
+        declared = request.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            return _error(413, "body-too-large", self._too_large())
+        body = await self._read_body(request)
+        if body is None:
+            return _error(413, "body-too-large", self._too_large())
+        return await self._forward(request, shard, route, rest, body)
+
+    def _too_large(self) -> str:
+        return f"request body is larger than the proxy's {self.max_body_bytes}-byte cap"
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes | None:
+        if not request.body_exists:
+            return b""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            chunk = await request.content.readany()
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+
+    async def _forward(
+        self, request: web.BaseRequest, shard: str, route: ProxyRoute, rest: str, body: bytes
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        query = request.raw_path.partition("?")[2]
+        url = URL(
+            f"http://{self._upstream_host}:{route.upstream_port}{rest}"
+            + (f"?{query}" if query else ""),
+            encoded=True,
+        )
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP
+        )
+        try:
+            upstream = await self._session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body if body else None,
+                allow_redirects=False,
+            )
+        except TimeoutError:
+            return _error(504, "upstream-timeout", f"engine of shard {shard} did not answer")
+        except aiohttp.ClientError as exc:
+            _log.warning("engine_proxy_upstream_failed", shard=shard, error=type(exc).__name__)
+            return _error(502, "upstream-unavailable", f"engine of shard {shard} is unreachable")
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP_BY_HOP:
+                    response.headers.add(key, value)
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        except (ConnectionError, aiohttp.ClientError, TimeoutError) as exc:
+            # The client went away or the engine broke mid-stream: drop the upstream connection
+            # so the engine sees the disconnect and aborts the generation.
+            _log.info("engine_proxy_stream_aborted", shard=shard, error=type(exc).__name__)
+            upstream.close()
+            raise
+        finally:
+            upstream.release()

@@ -1,0 +1,209 @@
+"""Per-shard records on disk: what an agent that restarts needs to adopt its engines.
+
+Layout under the state dir:
+
+    shards/<shard_id>/record.json   ShardRecord, written by the agent
+    shards/<shard_id>/procs.json    ShardProcs, written by the wrapper once its commands run
+    shards/<shard_id>/exit.json     ShardExit, written by the wrapper when the shard ends
+    shards/<shard_id>/logs/         the commands' output, rotated by the wrapper
+    shards/<shard_id>/run/          the shard's runtime dir (Command.files)
+
+Every file is written atomically (temp file, fsync, rename, fsync of the
+directory), so a crash or `kill -9` mid-write leaves the old or the new
+version, never half of one. A record that is still unreadable (disk trouble,
+a hand edit) fails only that shard: `read_record` raises `RecordError` and
+the agent reports the shard and runs on.
+
+No record holds a secret: the spec is stored without api_key and with the
+secret_env *references*, never their values, since the state dir is backed up
+and read by people debugging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "RECORD_VERSION",
+    "RecordError",
+    "ShardExit",
+    "ShardProc",
+    "ShardProcs",
+    "ShardRecord",
+    "atomic_write",
+    "list_shard_dirs",
+    "read_exit",
+    "read_procs",
+    "read_record",
+    "safe_shard_dirname",
+    "write_model",
+]
+
+RECORD_VERSION = 1
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class RecordError(Exception):
+    """A shard's record cannot be read or parsed."""
+
+
+class _Rec(BaseModel):
+    # Unknown fields are ignored: a record written by a newer agent that was
+    # rolled back must still be adoptable.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ShardRecord(_Rec):
+    """What the agent started for one shard and how to prove it is still that."""
+
+    version: int = RECORD_VERSION
+    shard_id: str
+    replica_id: str = ""
+    # The desired shard's fingerprint and the agent's digest of the launch
+    # (fingerprint + spec + key digest): adoption compares the digest.
+    fingerprint: str = ""
+    digest: str
+    # The ShardSpec as launched, without api_key or resolved secrets.
+    spec: dict[str, Any]
+    engine: str = ""
+    model: str = ""
+    # The wrapper: pid and /proc start time within boot_id.
+    boot_id: str = ""
+    wrapper_pid: int | None = None
+    wrapper_start_time: int | None = None
+    # Ports the agent allocated; reused when the shard restarts, so a KV
+    # listener and an engine PUB keep meeting on the same port.
+    http_port: int = 0
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+    started_at: float = 0.0
+    restarts: int = 0
+    # Bumped on every start: the KV relay resets its mirror on a new generation.
+    generation: int = 0
+    # The engine command's program and the devices it was given, for asking an
+    # engine that can fall back to the CPU which GPUs its build sees.
+    engine_path: str = ""
+    visible_devices: str = ""
+
+
+class ShardProc(_Rec):
+    name: str
+    pid: int
+    start_time: int | None = None
+
+
+class ShardProcs(_Rec):
+    """The processes the wrapper started, in command order (the last is the engine)."""
+
+    wrapper_pid: int
+    pgid: int | None = None
+    procs: list[ShardProc] = Field(default_factory=list)
+
+
+class ShardExit(_Rec):
+    """How the shard ended, written by its wrapper."""
+
+    exit_code: int
+    # The command whose exit ended the shard; empty when the shard was stopped.
+    command: str = ""
+    stopped: bool = False
+    finished_at: float = 0.0
+    # Why the wrapper could not run the shard at all (a bad launch, a leader
+    # port that never opened).
+    error: str = ""
+
+
+def safe_shard_dirname(shard_id: str) -> str:
+    """The shard id as a directory name; refuses ids that could escape the state dir."""
+    if not _SAFE_ID.match(shard_id):
+        raise RecordError(
+            f"shard id {shard_id!r} cannot name a state directory: it must match "
+            f"{_SAFE_ID.pattern} (no slashes, no leading dot)"
+        )
+    return shard_id
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int = 0o600) -> None:
+    """Replace `path` with `data` so a crash leaves the old or the new content, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def write_model(path: Path, model: BaseModel) -> None:
+    atomic_write(path, model.model_dump_json().encode())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise RecordError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecordError(
+            f"{path}: not valid JSON ({e}); the file is truncated or corrupt"
+        ) from None
+
+
+def read_record(shard_dir: Path) -> ShardRecord:
+    """The shard's record; FileNotFoundError when there is none, RecordError when unreadable."""
+    data = _read_json(shard_dir / "record.json")
+    try:
+        rec = ShardRecord.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise RecordError(f"{shard_dir / 'record.json'}: {loc}: {first['msg']}") from None
+    if rec.shard_id != shard_dir.name:
+        raise RecordError(
+            f"{shard_dir / 'record.json'}: names shard {rec.shard_id!r} but sits in "
+            f"{shard_dir.name!r}; a record is only trusted in its own shard's directory"
+        )
+    return rec
+
+
+def read_procs(shard_dir: Path) -> ShardProcs | None:
+    try:
+        return ShardProcs.model_validate(_read_json(shard_dir / "procs.json"))
+    except (FileNotFoundError, RecordError, ValidationError):
+        return None
+
+
+def read_exit(shard_dir: Path) -> ShardExit | None:
+    try:
+        return ShardExit.model_validate(_read_json(shard_dir / "exit.json"))
+    except (FileNotFoundError, RecordError, ValidationError):
+        return None
+
+
+def list_shard_dirs(shards_root: Path) -> list[Path]:
+    if not shards_root.is_dir():
+        return []
+    return sorted(p for p in shards_root.iterdir() if p.is_dir() and not p.name.startswith("."))
