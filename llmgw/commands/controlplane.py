@@ -36,14 +36,16 @@ def controlplane(
         typer.Option(help="Public (OpenAI API) listener port (overrides gateway.port)."),
     ] = None,
 ) -> None:
-    """Serve the OpenAI API on the public listener (no model is served until the gateway
-    lands) and the admin API, health and readiness on the internal listener."""
+    """Serve the OpenAI API on the public listener and the admin API, agent API, health,
+    readiness and metrics on the internal listener."""
     import asyncio
 
     from llmgw.config import load_settings
+    from llmgw.controlplane.agentapi.kv_intake import KvIntake
     from llmgw.controlplane.app import create_app
     from llmgw.controlplane.http.public_app import create_public_app
-    from llmgw.controlplane.server import Listener, serve
+    from llmgw.controlplane.server import ConfigReload, Listener, serve
+    from llmgw.embedded_postgres import libpq_url
     from llmgw.logs import configure_logging, get_logger
 
     overrides: dict[str, dict[str, object]] = {}
@@ -58,17 +60,28 @@ def controlplane(
     settings = load_settings(config, **overrides)
     configure_logging(settings.log.level, json=settings.log.json_lines)
     cp, gw = settings.controlplane, settings.gateway
+    # One KV index per process: the agent API (internal listener) feeds it, the gateway's
+    # router (public listener) reads it.
+    intake = KvIntake()
+    internal = create_app(cp, kv_intake=intake)
+    public = create_public_app(
+        gw,
+        sessions=internal.state.sessions,
+        libpq_url=libpq_url(cp.database_url),
+        registry=internal.state.metrics,
+        intake=intake,
+    )
     listeners = [
         Listener(
             name="internal",
-            app=create_app(cp),
+            app=internal,
             host=cp.internal_host,
             port=cp.internal_port,
             setting="controlplane.internal_port",
         ),
         Listener(
             name="public",
-            app=create_public_app(),
+            app=public,
             host=gw.host,
             port=gw.port,
             setting="gateway.port",
@@ -79,4 +92,11 @@ def controlplane(
         internal_url=f"http://{cp.internal_host}:{cp.internal_port}",
         public_url=f"http://{gw.host}:{gw.port}",
     )
-    asyncio.run(serve(listeners, grace_s=cp.shutdown_grace_s))
+    # SIGHUP re-reads the same sources (file, environment, these flags) and applies what can
+    # change live; see ConfigReload.
+    reload = ConfigReload(
+        lambda: load_settings(config, **overrides),
+        settings,
+        reconciler=internal.state.reconciler,
+    )
+    asyncio.run(serve(listeners, grace_s=cp.shutdown_grace_s, on_reload=reload))

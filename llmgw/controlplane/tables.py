@@ -88,6 +88,10 @@ NODE_APPROVAL_STATES = ("pending", "approved")
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 # No leading zeros, so "0" and "0%" are the only spellings of zero (the 0/0 CHECK relies on it).
 ROLLOUT_BUDGET_PATTERN = "^(0|[1-9][0-9]{0,5})%?$"
+# API key names appear in `llmgw keys revoke NAME` and in URLs: no slashes, unlike models.
+KEY_NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+KEY_ID_PATTERN = "^[0-9a-z]{1,32}$"
+QUOTA_PERIODS = ("day", "month")
 
 
 # PYTHONHASHSEED accepts only integers up to 2**32-1; canonical decimal, never 0.
@@ -542,7 +546,11 @@ class GpuAssignment(Base):
 
 class ApiKey(_Versioned, Base):
     """Keys look like ``llmgw_<id>_<secret>``; only SHA-256 of the secret is kept
-    (a fast hash is right: keys are high-entropy and checked on every request)."""
+    (a fast hash is right: keys are high-entropy and checked on every request).
+
+    Written by the admin API (``llmgw.controlplane.admin.keys``), read by every gateway's
+    ``KeyCache``; revoking sets ``disabled`` and keeps the row, which accounting refers to.
+    """
 
     __tablename__ = "api_keys"
     __table_args__ = (
@@ -552,6 +560,19 @@ class ApiKey(_Versioned, Base):
         CheckConstraint(
             "concurrency_limit IS NULL OR concurrency_limit > 0", name="concurrency_limit_positive"
         ),
+        CheckConstraint(
+            "rate_limit_tpm IS NULL OR rate_limit_tpm > 0", name="rate_limit_tpm_positive"
+        ),
+        # A quota without a period would never reset; a period without a quota limits nothing.
+        CheckConstraint(
+            f"(token_quota IS NULL) = (quota_period IS NULL) AND "
+            f"(quota_period IS NULL OR {_in('quota_period', QUOTA_PERIODS)})",
+            name="quota_period_known",
+        ),
+        CheckConstraint(f"name ~ '{KEY_NAME_PATTERN}'", name="name_format"),
+        # The id travels in the clear inside the key, between underscores: an id holding one
+        # would make `llmgw_<id>_<secret>` split in two ways.
+        CheckConstraint(f"id ~ '{KEY_ID_PATTERN}'", name="id_format"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -560,16 +581,23 @@ class ApiKey(_Versioned, Base):
     # None: every model; otherwise the model (and adapter) names this key may use.
     allowed_models: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
     rate_limit_rpm: Mapped[int | None] = mapped_column(Integer)
+    # Tokens per minute, counted from each request's reservation and corrected on completion.
+    rate_limit_tpm: Mapped[int | None] = mapped_column(Integer)
+    # Prompt + completion tokens per quota_period (UTC day or month); None: no quota.
     token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    quota_period: Mapped[str | None] = mapped_column(Text)
     concurrency_limit: Mapped[int | None] = mapped_column(Integer)
     # Tenant isolation: requests with this key never share KV cache with other tenants.
     cache_salt: Mapped[str | None] = mapped_column(Text)
     disabled: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     expires_at: Mapped[datetime | None] = mapped_column()
+    # Set by the gateways' usage flushes (never on the request path): right to within a minute.
     last_used_at: Mapped[datetime | None] = mapped_column()
 
 
 class UsageBucket(Base):
+    """Tokens and requests per key, model and minute, summed by the gateways' usage flushes."""
+
     __tablename__ = "usage_buckets"
     __table_args__ = (
         UniqueConstraint("api_key_id", "model", "bucket_start"),
@@ -577,6 +605,8 @@ class UsageBucket(Base):
             "requests >= 0 AND prompt_tokens >= 0 AND completion_tokens >= 0 AND cached_tokens >= 0",
             name="counts_nonnegative",
         ),
+        # `GET /admin/v1/usage?since=` over every key, and the quota totals of a period.
+        Index("ix_usage_buckets_bucket_start", "bucket_start"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -592,7 +622,8 @@ class UsageBucket(Base):
 
 class UsageFlush(Base):
     """One row per applied gateway flush, so a flush retried after a lost reply
-    is recognised and not counted twice."""
+    is recognised and not counted twice. A process keeps only its latest row: it retries a
+    flush until it knows the outcome, so older sequence numbers can never come back."""
 
     __tablename__ = "usage_flushes"
 

@@ -83,12 +83,13 @@ def test_public_listener_speaks_openai_errors(two_listeners: _Cp) -> None:
         f"{cp.public}/v1/chat/completions",
         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
     )
-    assert r.status_code == 404
+    # The gateway checks the API key before anything else, in OpenAI's error shape.
+    assert r.status_code == 401
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == "model_not_found" and "no model is served yet" in err["message"]
+    assert err["code"] == "invalid_api_key"
     assert r.headers["x-request-id"]
-    assert httpx.get(f"{cp.public}/v1/models").json() == {"object": "list", "data": []}
+    assert httpx.get(f"{cp.public}/v1/models").status_code == 401
     r = httpx.delete(f"{cp.public}/v1/models")
     assert r.status_code == 405 and "GET" in r.headers["allow"]
 

@@ -1,0 +1,134 @@
+"""``GET /admin/v1/usage``: the tokens and requests the gateways accounted, summed.
+
+Rows come from ``usage_buckets`` (per key, model and minute, written by the gateways'
+flushes about a second after each request ends), summed per key and model over the whole
+range (``group=total``) or per minute, hour or day (UTC). ``key`` is a key's name or id;
+``since`` / ``until`` bound the buckets' minutes, ``[since, until)``. At most ``limit`` rows
+come back, newest periods first within each key and model; ``truncated`` says more matched.
+
+What this module must NOT do: write, or show anything of a key but its name and id.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+from sqlalchemy import Select, func, or_, select
+
+from llmgw.controlplane.admin.common import Session
+from llmgw.controlplane.tables import ApiKey, UsageBucket
+from llmgw.errors import SpecError
+
+__all__ = ["UsageOut", "UsageReply", "router"]
+
+router = APIRouter(tags=["usage"])
+
+Group = Literal["total", "day", "hour", "minute"]
+_MAX_ROWS = 10_000
+_DEFAULT_ROWS = 1000
+_BUCKET_S = 60
+
+
+class UsageOut(BaseModel):
+    key: str = Field(description="The key's name.")
+    key_id: str
+    model: str
+    start: datetime = Field(description="The first bucket's minute (the period's start).")
+    end: datetime = Field(description="The end of the last bucket's minute (exclusive).")
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Of the prompt tokens, those served from KV cache.")
+    completion_tokens: int
+    total_tokens: int = Field(description="prompt_tokens + completion_tokens.")
+
+
+class UsageReply(BaseModel):
+    items: list[UsageOut]
+    truncated: bool = Field(description="More rows matched than `limit`; narrow the query.")
+    next_cursor: str | None = Field(default=None, description="Always null: one page.")
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    # A time without an offset is read as UTC, as the buckets are.
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def _query(
+    group: Group, key: str | None, model: str | None, since: datetime | None, until: datetime | None
+) -> Select[*tuple[Any, ...]]:
+    b = UsageBucket
+    period = (
+        func.min(b.bucket_start).label("start")
+        if group == "total"
+        else func.date_trunc(group, b.bucket_start, "UTC").label("start")
+    )
+    cols = [
+        ApiKey.name,
+        b.api_key_id,
+        b.model,
+        func.min(b.bucket_start).label("first"),
+        func.max(b.bucket_start).label("last"),
+        func.sum(b.requests),
+        func.sum(b.prompt_tokens),
+        func.sum(b.cached_tokens),
+        func.sum(b.completion_tokens),
+    ]
+    stmt = select(*cols).join(ApiKey, ApiKey.id == b.api_key_id)
+    if key is not None:
+        stmt = stmt.where(or_(ApiKey.name == key, ApiKey.id == key))
+    if model is not None:
+        stmt = stmt.where(b.model == model)
+    if since is not None:
+        stmt = stmt.where(b.bucket_start >= since)
+    if until is not None:
+        stmt = stmt.where(b.bucket_start < until)
+    groups: list[Any] = [ApiKey.name, b.api_key_id, b.model]
+    order: list[Any] = [ApiKey.name, b.model]
+    if group != "total":
+        stmt = stmt.add_columns(period)
+        groups.append(period)
+        order.append(period.desc())
+    return stmt.group_by(*groups).order_by(*order)
+
+
+@router.get("/usage", response_model=UsageReply)
+async def read_usage(
+    session: Session,
+    key: Annotated[str | None, Query(max_length=256, description="A key's name or id.")] = None,
+    model: Annotated[str | None, Query(max_length=256)] = None,
+    since: Annotated[datetime | None, Query(description="Buckets from (UTC if no offset).")] = None,
+    until: Annotated[datetime | None, Query(description="Buckets before (exclusive).")] = None,
+    group: Annotated[Group, Query(description="Sum over the range, or per UTC period.")] = "total",
+    limit: Annotated[int, Query(ge=1, le=_MAX_ROWS)] = _DEFAULT_ROWS,
+) -> UsageReply:
+    since, until = _utc(since), _utc(until)
+    if since is not None and until is not None and until <= since:
+        raise SpecError(
+            f"until ({until.isoformat()}) must be after since ({since.isoformat()})",
+            field="until",
+        )
+    rows = (await session.execute(_query(group, key, model, since, until).limit(limit + 1))).all()
+    items = []
+    for row in rows[:limit]:
+        name, key_id, model_name, first, last, requests, prompt, cached, completion = row[:9]
+        start = first if group == "total" else row[9]
+        items.append(
+            UsageOut(
+                key=name,
+                key_id=key_id,
+                model=model_name,
+                start=start,
+                end=last + timedelta(seconds=_BUCKET_S),
+                requests=int(requests),
+                prompt_tokens=int(prompt),
+                cached_tokens=int(cached),
+                completion_tokens=int(completion),
+                total_tokens=int(prompt) + int(completion),
+            )
+        )
+    return UsageReply(items=items, truncated=len(rows) > limit)

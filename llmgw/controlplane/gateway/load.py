@@ -1,0 +1,172 @@
+"""Replica load and passive health, as the router reads them.
+
+Load of a replica = requests its engine reports running + waiting (``vllm:num_requests_running``
++ ``vllm:num_requests_waiting``, scraped from the engine's /metrics through the agent proxy every
+``scrape_s``; the simulator exports the same names) + this gateway's in-flight requests to it.
+The in-flight count is exact and immediate; the scrape adds what other gateways sent. Between
+two scrapes a burst from this gateway is seen through its in-flight count, so a burst is not
+piled on one replica waiting for the next scrape.
+
+Passive health: ``eject_after`` consecutive failures (connection errors, 5xx before a header)
+eject a replica for ``eject_for_s``; any success resets the count. Ejected replicas are not
+candidates, unless every replica is ejected (then all are: a guess beats a certain 503).
+
+What it must NOT do: block a request on a scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+
+from llmgw.controlplane.gateway.routes import Endpoint
+from llmgw.logs import get_logger
+
+__all__ = ["LoadTracker", "RetryBudget", "parse_engine_load"]
+
+log = get_logger("llmgw.controlplane.gateway")
+
+_LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+
+
+def parse_engine_load(body: bytes) -> int:
+    """running + waiting from a Prometheus text exposition (summed over label sets)."""
+    total = 0.0
+    for line in body.splitlines():
+        if not line.startswith(b"vllm:num_requests_"):
+            continue
+        for name in _LOAD_METRICS:
+            if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
+                with contextlib.suppress(ValueError, IndexError):
+                    total += float(line.rsplit(None, 1)[1])
+    return int(total)
+
+
+@dataclass(slots=True)
+class _Health:
+    failures: int = 0
+    ejected_until: float = 0.0
+
+
+class LoadTracker:
+    def __init__(
+        self,
+        *,
+        eject_after: int,
+        eject_for_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.eject_after = eject_after
+        self.eject_for_s = eject_for_s
+        self._clock = clock
+        self.in_flight: dict[str, int] = {}
+        self.engine: dict[str, int] = {}
+        self._health: dict[str, _Health] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def load(self, replica: str) -> int:
+        return self.engine.get(replica, 0) + self.in_flight.get(replica, 0)
+
+    def started(self, replica: str) -> None:
+        self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+
+    def finished(self, replica: str) -> None:
+        left = self.in_flight.get(replica, 0) - 1
+        if left > 0:
+            self.in_flight[replica] = left
+        else:
+            self.in_flight.pop(replica, None)
+
+    def healthy(self, replica: str) -> bool:
+        h = self._health.get(replica)
+        return h is None or h.ejected_until <= self._clock()
+
+    def failures(self, replica: str) -> int:
+        """Consecutive failures not yet ejecting it (a retry prefers replicas without)."""
+        h = self._health.get(replica)
+        return 0 if h is None else h.failures
+
+    def succeeded(self, replica: str) -> None:
+        h = self._health.get(replica)
+        if h is not None:
+            h.failures = 0
+
+    def failed(self, replica: str) -> bool:
+        """Count a failure; True when it ejected the replica."""
+        h = self._health.setdefault(replica, _Health())
+        h.failures += 1
+        if h.failures >= self.eject_after:
+            h.failures = 0
+            h.ejected_until = self._clock() + self.eject_for_s
+            log.warning("gateway_replica_ejected", replica=replica, for_s=self.eject_for_s)
+            return True
+        return False
+
+    # --- scraping ----------------------------------------------------------------------
+
+    async def scrape(self, http: aiohttp.ClientSession, endpoints: Iterable[Endpoint]) -> None:
+        eps = list(endpoints)
+
+        async def one(ep: Endpoint) -> None:
+            try:
+                async with http.get(
+                    f"{ep.url}/metrics",
+                    headers={"Authorization": f"Bearer {ep.api_key}"},
+                    timeout=aiohttp.ClientTimeout(total=1.0),
+                ) as resp:
+                    if resp.status == 200:
+                        self.engine[ep.replica] = parse_engine_load(await resp.read())
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # passive health judges requests; a missed scrape keeps the last value
+
+        await asyncio.gather(*(one(ep) for ep in eps))
+        live = {ep.replica for ep in eps}
+        for gone in [r for r in self.engine if r not in live]:
+            del self.engine[gone]
+
+    async def start(
+        self,
+        http: aiohttp.ClientSession,
+        endpoints: Callable[[], Iterable[Endpoint]],
+        period_s: float,
+    ) -> None:
+        async def run() -> None:
+            while True:
+                try:
+                    await self.scrape(http, endpoints())
+                except Exception as exc:  # never let the loop die: routing falls back to in-flight
+                    log.warning("gateway_scrape_failed", error=repr(exc))
+                await asyncio.sleep(period_s)
+
+        self._task = asyncio.create_task(run(), name="gateway-load-scrape")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class RetryBudget:
+    """A token bucket for retries: every request deposits ``ratio`` of a token, a retry takes
+    one, the bucket holds at most ``burst``. When a whole fleet fails, retries stop at
+    ``ratio`` of the traffic instead of doubling the load on what is left of it."""
+
+    def __init__(self, *, ratio: float, burst: float = 10.0) -> None:
+        self.ratio = ratio
+        self.burst = burst
+        self._tokens = burst if ratio > 0 else 0.0
+
+    def deposit(self) -> None:
+        self._tokens = min(self.burst, self._tokens + self.ratio)
+
+    def withdraw(self) -> bool:
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False

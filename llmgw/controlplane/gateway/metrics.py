@@ -1,0 +1,140 @@
+"""The gateway's Prometheus metrics, registered on the control plane's internal registry
+(served by the internal listener's /metrics, never by the public one).
+
+Labels are bounded: models and replicas are what the fleet runs, never client input (an
+unknown model name is counted under ``model="_unknown"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKENIZE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
+_SHARE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayMetrics:
+    decisions: Counter
+    matched_share: Histogram
+    tokenize_seconds: Histogram
+    tokenize_failures: Counter
+    index_blocks: Gauge
+    approx_entries: Gauge
+    requests: Counter
+    request_seconds: Histogram
+    ttft_seconds: Histogram
+    upstream_errors: Counter
+    retries: Counter
+    ejections: Counter
+    in_flight: Gauge
+    # (metric, label values) -> child: prometheus_client's labels() takes a lock and builds a
+    # key on every call, a measurable share of the gateway's per-request CPU.
+    _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
+
+    def inc(self, metric: Counter, *labels: str) -> None:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        child.inc()
+
+    def observe(self, metric: Histogram, value: float, *labels: str) -> None:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        child.observe(value)
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
+        return cls(
+            decisions=Counter(
+                "llmgw_prefix_decisions",
+                "Routing decisions by method (precise, approximate, least_loaded, round_robin, "
+                "random) and outcome (hit, miss, overloaded, none).",
+                ["model", "method", "outcome"],
+                registry=registry,
+            ),
+            matched_share=Histogram(
+                "llmgw_prefix_matched_share",
+                "Share of the prompt's leading blocks the chosen replica holds (prefix tiers).",
+                ["model", "method"],
+                buckets=_SHARE_BUCKETS,
+                registry=registry,
+            ),
+            tokenize_seconds=Histogram(
+                "llmgw_prefix_tokenize_seconds",
+                "Latency of /tokenize calls made for precise routing.",
+                ["model"],
+                buckets=_TOKENIZE_BUCKETS,
+                registry=registry,
+            ),
+            tokenize_failures=Counter(
+                "llmgw_prefix_tokenize_failures",
+                "Tokenize calls that failed (reason: timeout, error, busy).",
+                ["model", "reason"],
+                registry=registry,
+            ),
+            index_blocks=Gauge(
+                "llmgw_prefix_index_entries",
+                "(block, shard) entries of the precise KV index per model.",
+                ["model"],
+                registry=registry,
+            ),
+            approx_entries=Gauge(
+                "llmgw_prefix_approx_entries",
+                "Chunk entries of the approximate prefix tree (all models).",
+                registry=registry,
+            ),
+            requests=Counter(
+                "llmgw_gateway_requests",
+                "OpenAI requests answered, by model, replica (empty when none was chosen) and "
+                "status code.",
+                ["model", "replica", "status"],
+                registry=registry,
+            ),
+            request_seconds=Histogram(
+                "llmgw_gateway_request_seconds",
+                "Time from request to the last byte of the answer.",
+                ["model", "replica"],
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            ttft_seconds=Histogram(
+                "llmgw_gateway_ttft_seconds",
+                "Time from request to the first streamed token chunk.",
+                ["model", "replica"],
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            upstream_errors=Counter(
+                "llmgw_gateway_upstream_errors",
+                "Upstream failures (kind: connect, status, midstream, timeout).",
+                ["model", "replica", "kind"],
+                registry=registry,
+            ),
+            retries=Counter(
+                "llmgw_gateway_retries",
+                "Requests retried on another replica.",
+                ["model"],
+                registry=registry,
+            ),
+            ejections=Counter(
+                "llmgw_gateway_ejections",
+                "Replicas ejected by passive health.",
+                ["replica"],
+                registry=registry,
+            ),
+            in_flight=Gauge(
+                "llmgw_gateway_in_flight",
+                "Requests being served by this gateway.",
+                registry=registry,
+            ),
+        )

@@ -1,0 +1,212 @@
+"""The router's pure core: which replica of a model serves a request (design §7, issue #11).
+
+Inputs are plain values: the candidates (ready, non-draining replicas of the model, each with
+its load), the prompt's precise shares (from ``precise_shares`` over ``llmgw.kv``) and/or its
+approximate shares (from ``ApproxTree``), the policy, and tie-break inputs. Output is a
+``Decision``: the replica, the method that decided and the outcome, for
+``llmgw_prefix_decisions_total{model,method,outcome}``.
+
+The load rule (every prefix tier): a replica is *eligible* for a hit when its load (running +
+waiting requests its engine reports, plus this gateway's in-flight requests to it) is at most
+the least-loaded candidate's load plus ``load_slack``. Among eligible replicas the one holding
+the longest share of the prompt's leading blocks wins; ties go to session affinity, then to
+the lower load, then rotate. So a cache hit never queues behind more than ``load_slack``
+requests that another replica would not have made it wait for. When the best holder is not
+eligible the outcome is ``overloaded`` (counted: a fleet that is too small shows up there).
+
+Precise scoring: replicas whose view is complete (``complete`` below: a full copy arrived and
+the view is not partial) are scored from the KV index; the others by the approximate tree. A
+decision counts as ``precise`` only when at least one candidate was scored precisely, so until
+a model's index is warm after a restart its decisions are counted as approximate, never as
+precise and silently wrong.
+
+What this module must NOT do: I/O, clocks, randomness of its own (the caller passes
+``rotation`` and ``pick``), or import anything of the control plane but its pure siblings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from llmgw.kv import PrefixIndex, block_hashes, hash64, scorable_blocks
+from llmgw.kv.hashing import ExtraKeyFormat
+
+__all__ = [
+    "Candidate",
+    "Decision",
+    "HashParams",
+    "Method",
+    "Outcome",
+    "Policy",
+    "decide",
+    "precise_shares",
+]
+
+Policy = Literal["auto", "precise", "approximate", "least_loaded", "round_robin", "random"]
+Method = Literal["precise", "approximate", "least_loaded", "round_robin", "random"]
+# hit: routed to the replica holding the longest prefix; miss: nobody holds any of it;
+# overloaded: a holder was passed over for load; none: the policy does not look at prefixes.
+Outcome = Literal["hit", "miss", "overloaded", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class HashParams:
+    """How a replica's engine hashes KV blocks (the profile's kv_hash): replicas that agree
+    share one hashing pass per prompt."""
+
+    seed: str | None
+    block_size: int
+    extra_key_format: ExtraKeyFormat
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    replica: str
+    shard: str  # the rank-0 shard: its KV view's name in the index
+    load: int  # running + waiting (engine) + this gateway's in-flight
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    method: Method
+    outcome: Outcome
+    share: float  # of the chosen replica's prompt prefix held (0.0 for non-prefix policies)
+
+
+def _affinity(session: str, replica: str) -> int:
+    # Rendezvous hashing: a session keeps its replica while the candidate set allows, and
+    # losing one replica moves only that replica's sessions. blake2b, not hash(): two gateway
+    # processes must agree.
+    digest = hashlib.blake2b(f"{session}\0{replica}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _tie_break(tied: Sequence[Candidate], session: str | None, rotation: int) -> Candidate:
+    if len(tied) == 1:
+        return tied[0]
+    if session:
+        return max(tied, key=lambda c: _affinity(session, c.replica))
+    ordered = sorted(tied, key=lambda c: c.replica)
+    return ordered[rotation % len(ordered)]
+
+
+def _least_loaded(cands: Sequence[Candidate], session: str | None, rotation: int) -> Candidate:
+    low = min(c.load for c in cands)
+    return _tie_break([c for c in cands if c.load == low], session, rotation)
+
+
+def decide(
+    candidates: Sequence[Candidate],
+    *,
+    policy: Policy,
+    precise: Mapping[str, float] | None = None,
+    approximate: Mapping[str, float] | None = None,
+    load_slack: int = 4,
+    session: str | None = None,
+    rotation: int = 0,
+    pick: float = 0.0,
+) -> Decision:
+    """Choose among ``candidates`` (non-empty).
+
+    ``precise``: replica -> share, for replicas scored from a complete KV view (None: precise
+    was not attempted). ``approximate``: replica -> share from the approximate tree (None: not
+    consulted). ``rotation``: a counter for round-robin and tie rotation; ``pick`` in [0, 1)
+    for the random policy.
+    """
+    if not candidates:
+        raise ValueError("decide needs at least one candidate")
+    if policy == "round_robin":
+        ordered = sorted(candidates, key=lambda c: c.replica)
+        return Decision(ordered[rotation % len(ordered)].replica, "round_robin", "none", 0.0)
+    if policy == "random":
+        index = min(len(candidates) - 1, int(pick * len(candidates)))
+        return Decision(candidates[index].replica, "random", "none", 0.0)
+    if policy == "least_loaded" or (precise is None and approximate is None):
+        chosen = _least_loaded(candidates, session, rotation)
+        return Decision(chosen.replica, "least_loaded", "none", 0.0)
+
+    shares: dict[str, float] = {}
+    scored_precisely = False
+    for c in candidates:
+        if precise is not None and c.replica in precise:
+            shares[c.replica] = precise[c.replica]
+            scored_precisely = True
+        elif approximate is not None:
+            shares[c.replica] = approximate.get(c.replica, 0.0)
+        else:
+            shares[c.replica] = 0.0
+    method: Method = "precise" if scored_precisely else "approximate"
+    best_any = max(shares.values())
+    if best_any <= 0.0 and scored_precisely and approximate:
+        # No replica holds a block yet: most often the prefix is still in its first prefill
+        # somewhere (KV events come after the blocks are computed). What this gateway sent
+        # where knows that; scattering the followers would compute the prefix again.
+        shares = {c.replica: approximate.get(c.replica, 0.0) for c in candidates}
+        method = "approximate"
+        best_any = max(shares.values())
+    if best_any <= 0.0:
+        chosen = _least_loaded(candidates, session, rotation)
+        return Decision(chosen.replica, method, "miss", 0.0)
+    low = min(c.load for c in candidates)
+    eligible = [c for c in candidates if c.load <= low + load_slack]
+    best = max(shares[c.replica] for c in eligible)
+    if best <= 0.0:
+        chosen = _least_loaded(eligible, session, rotation)
+        return Decision(chosen.replica, method, "overloaded", 0.0)
+    holders = [c for c in eligible if shares[c.replica] == best]
+    least = min(c.load for c in holders)
+    chosen = _tie_break([c for c in holders if c.load == least], session, rotation)
+    outcome: Outcome = "hit" if best >= best_any else "overloaded"
+    return Decision(chosen.replica, method, outcome, best)
+
+
+def precise_shares(
+    index: PrefixIndex,
+    index_model: str,
+    token_ids: Sequence[int],
+    groups: Mapping[HashParams, Collection[Candidate]],
+    *,
+    complete: Callable[[str], bool],
+    cache_salt: str | None,
+    lora: tuple[str, str] | None = None,
+) -> dict[str, float]:
+    """replica -> share of the prompt's scorable leading blocks its shard holds, for every
+    candidate whose view is complete (``complete(shard)``; partial views are left out, so the
+    caller scores them by the approximate tier).
+
+    The prompt is hashed once per hash-parameter group, with the cache salt and LoRA adapter
+    as extra keys exactly as the engine hashes them; the last block is never scored when the
+    prompt length is a multiple of the block size (vLLM cannot hit it).
+    """
+    out: dict[str, float] = {}
+    lora_name, lora_path = lora if lora is not None else (None, None)
+    for params, members in groups.items():
+        scored = [c for c in members if complete(c.shard)]
+        if not scored:
+            continue
+        n = scorable_blocks(len(token_ids), params.block_size)
+        if n == 0:
+            for c in scored:
+                out[c.replica] = 0.0
+            continue
+        digests = block_hashes(
+            token_ids[: n * params.block_size],
+            params.block_size,
+            seed=params.seed,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            cache_salt=cache_salt,
+            extra_key_format=params.extra_key_format,
+        )
+        hashes = [hash64(d) for d in digests[:n]]
+        scores = index.score(index_model, hashes, [c.shard for c in scored])
+        for c in scored:
+            s = scores[c.shard]
+            if s.partial:
+                continue  # the approximate tier scores it
+            out[c.replica] = s.share
+    return out

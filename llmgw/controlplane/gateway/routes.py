@@ -1,0 +1,307 @@
+"""The gateway's route table: which replicas serve which model name, cached in memory.
+
+One statement reads every live rank-0 shard with its replica's state and its launch spec's
+profile, another every deployment's names; ``build_table`` (pure) turns the rows into a name ->
+``ModelRoute`` map: the served model name and every LoRA adapter name (adapters route to
+replicas of the base model that load them; models and adapters share one namespace, and a name
+claimed by both routes as the model).
+A replica is *ready* when it is active (not draining or stopping), its shard is desired
+running, its agent reports the shard ready and gives a proxy URL. Names of deployments whose
+replicas are all unready (or that have none: scaled to zero, all replaced in a rollout) stay in
+the table, so a client gets 503 (retry) instead of 404 (wrong name).
+
+``RouteCache`` re-reads every ``refresh_s`` and at once on a NOTIFY of the desired-state
+channel (a drain, a new deployment). When Postgres is down it keeps the last table: the
+gateway serves from it (fail static), and passive health ejects replicas that died meanwhile.
+
+What it must NOT do: hand the engine keys to anything but the upstream client (they are
+``repr=False`` and never logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from llmgw.controlplane.gateway.router import HashParams
+from llmgw.controlplane.queries import CHANGE_CHANNEL
+from llmgw.kv.hashing import ExtraKeyFormat
+from llmgw.logs import get_logger
+
+__all__ = [
+    "DeclaredRow",
+    "Endpoint",
+    "ModelRoute",
+    "RouteCache",
+    "RouteRow",
+    "RouteTable",
+    "build_table",
+    "read_declared",
+    "read_routes",
+]
+
+log = get_logger("llmgw.controlplane.gateway")
+
+_BACKOFF_MAX_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One replica as the gateway reaches it: through its rank-0 shard's agent proxy."""
+
+    replica: str
+    shard: str
+    url: str  # the agent's proxy for the shard: http://<mgmt>:<port>/shards/<shard>
+    api_key: str = field(repr=False)  # shards.engine_api_key: the proxy demands it
+    index_model: str  # the name the KV index files this shard's blocks under
+    hash: HashParams | None  # None: the profile has no kv_events, precise routing impossible
+    adapters: Mapping[str, str]  # LoRA name -> path, as the engine was given them
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    name: str  # what clients send as "model" (and what the engine answers to)
+    base: str  # the served model name the adapter belongs to (== name for a model)
+    lora: tuple[str, str] | None  # (adapter name, path) for an adapter name
+    endpoints: tuple[Endpoint, ...]  # ready replicas only; empty: 503
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTable:
+    routes: Mapping[str, ModelRoute]
+    read_at: float  # time.monotonic() of the read; 0.0: never read
+
+    def get(self, name: str) -> ModelRoute | None:
+        return self.routes.get(name)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRow:
+    shard: str
+    replica: str
+    proxy_url: str
+    api_key: str = field(repr=False)
+    ready: bool
+    index_model: str
+    profile: Mapping[str, Any]
+
+
+def _hash_params(profile: Mapping[str, Any]) -> HashParams | None:
+    if not profile.get("kv_events"):
+        return None
+    kv = profile.get("kv_hash") or {}
+    raw_fmt = kv.get("extra_key_format") or "tagged"
+    if raw_fmt not in ("tagged", "legacy"):
+        return None
+    fmt: ExtraKeyFormat = "legacy" if raw_fmt == "legacy" else "tagged"
+    try:
+        block_size = int(kv.get("block_size") or 16)
+    except (TypeError, ValueError):
+        return None
+    seed = kv.get("seed") or None
+    return HashParams(seed=str(seed) if seed is not None else None, block_size=block_size,
+                      extra_key_format=fmt)  # fmt: skip
+
+
+def served_name(profile: Mapping[str, Any], index_model: str) -> str:
+    return str(
+        profile.get("served_model_name")
+        or profile.get("model")
+        or index_model
+        or profile.get("model_path")
+        or ""
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredRow:
+    """A deployment's names, whatever its replicas do: a model scaled to zero, or between
+    replicas in a rollout, is still a model (503, retry), never an unknown one (404)."""
+
+    name: str
+    adapters: tuple[tuple[str, str], ...] = ()
+
+
+def build_table(
+    rows: Iterable[RouteRow], *, read_at: float, declared: Iterable[DeclaredRow] = ()
+) -> RouteTable:
+    """Pure: the rows of ``read_routes`` (and ``read_declared``) -> the table."""
+    models: dict[str, list[Endpoint]] = {}
+    adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
+    for d in declared:
+        models.setdefault(d.name, [])
+        for lora, path in d.adapters:
+            adapters.setdefault(lora, (d.name, path, []))
+    for row in rows:
+        name = served_name(row.profile, row.index_model)
+        if not name:
+            continue
+        raw = row.profile.get("adapters") or []
+        loras = {
+            str(a["name"]): str(a.get("path", ""))
+            for a in raw
+            if isinstance(a, Mapping) and a.get("name")
+        }
+        ep = Endpoint(
+            replica=row.replica,
+            shard=row.shard,
+            url=row.proxy_url.rstrip("/"),
+            api_key=row.api_key,
+            index_model=row.index_model or name,
+            hash=_hash_params(row.profile),
+            adapters=loras,
+        )
+        eps = models.setdefault(name, [])
+        if row.ready:
+            eps.append(ep)
+        for lora, path in loras.items():
+            _, _, lora_eps = adapters.setdefault(lora, (name, path, []))
+            if row.ready:
+                lora_eps.append(ep)
+    routes: dict[str, ModelRoute] = {}
+    for name, eps in models.items():
+        routes[name] = ModelRoute(name, name, None, tuple(sorted(eps, key=lambda e: e.replica)))
+    for lora, (base, path, eps) in adapters.items():
+        if lora in routes:
+            log.warning("gateway_name_conflict", name=lora, kept="model", dropped="adapter")
+            continue
+        routes[lora] = ModelRoute(
+            lora, base, (lora, path), tuple(sorted(eps, key=lambda e: e.replica))
+        )
+    return RouteTable(routes, read_at)
+
+
+_READ = text(
+    "SELECT s.id::text AS shard, s.replica_id::text AS replica, s.proxy_url, s.engine_api_key, "
+    "(s.observed_state = 'ready' AND s.desired_state = 'running' AND r.state = 'active' "
+    "AND s.proxy_url <> '') AS ready, "
+    "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS index_model, "
+    "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile "
+    "FROM shards s JOIN replicas r ON r.id = s.replica_id "
+    "LEFT JOIN deployments d ON d.id = r.deployment_id "
+    "LEFT JOIN models m ON m.id = d.model_id "
+    "WHERE NOT s.released AND s.rank = 0 AND r.state <> 'stopping'"
+)
+
+
+_DECLARED = text(
+    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters "
+    "FROM deployments d JOIN models m ON m.id = d.model_id "
+    "JOIN profiles p ON p.id = d.profile_id"
+)
+
+
+async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
+    """Every deployment's served name and adapters, in one statement."""
+    result = await session.execute(_DECLARED)
+    out = []
+    for r in result:
+        raw = r.adapters if isinstance(r.adapters, list) else []
+        loras = tuple(
+            (str(a["name"]), str(a.get("path", "")))
+            for a in raw
+            if isinstance(a, dict) and a.get("name")
+        )
+        out.append(DeclaredRow(str(r.name), loras))
+    return out
+
+
+async def read_routes(session: AsyncSession) -> list[RouteRow]:
+    """Every live rank-0 shard with what routing needs, in one statement."""
+    result = await session.execute(_READ)
+    return [
+        RouteRow(
+            shard=r.shard,
+            replica=r.replica,
+            proxy_url=r.proxy_url or "",
+            api_key=r.engine_api_key or "",
+            ready=bool(r.ready),
+            index_model=r.index_model or "",
+            profile=r.profile if isinstance(r.profile, dict) else {},
+        )
+        for r in result
+    ]
+
+
+class RouteCache:
+    """The table, re-read periodically and on NOTIFY; the last good one while Postgres is down."""
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        *,
+        libpq_url: str | None,
+        refresh_s: float,
+    ) -> None:
+        self._sessions = sessions
+        self._libpq_url = libpq_url
+        self.refresh_s = refresh_s
+        self.table = RouteTable({}, 0.0)
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failing = False
+        self.changed = asyncio.Event()  # set after every successful refresh (tests wait on it)
+
+    async def refresh(self) -> None:
+        async with self._sessions() as session, session.begin():
+            rows = await read_routes(session)
+            declared = await read_declared(session)
+        self.table = build_table(rows, read_at=time.monotonic(), declared=declared)
+        self.changed.set()
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh()
+            if self._failing:
+                log.info("gateway_routes_restored", names=len(self.table.routes))
+            self._failing = False
+        except Exception as exc:  # the database may be down: keep serving what we hold
+            if not self._failing:
+                log.warning("gateway_routes_refresh_failed", error=type(exc).__name__)
+            self._failing = True
+
+    async def start(self) -> None:
+        await self._refresh_quietly()
+        self._tasks.append(asyncio.create_task(self._run(), name="gateway-routes"))
+        if self._libpq_url:
+            self._tasks.append(asyncio.create_task(self._listen(), name="gateway-routes-listen"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.refresh_s)
+            self._wake.clear()
+            await self._refresh_quietly()
+
+    async def _listen(self) -> None:
+        assert self._libpq_url is not None
+        failures = 0
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._libpq_url, autocommit=True, application_name="llmgw-gateway-routes"
+                )
+                async with conn:
+                    await conn.execute(f"LISTEN {CHANGE_CHANNEL}")
+                    failures = 0
+                    async for _note in conn.notifies():
+                        self._wake.set()
+            except psycopg.Error:
+                failures += 1
+                await asyncio.sleep(min(_BACKOFF_MAX_S, 0.1 * 2**failures))

@@ -1,0 +1,138 @@
+"""bench/gateway.py and bench/routing.py still run end to end, and the routing oracle is right.
+
+Tiny sizes: these check that the benches cannot rot (every process starts, every phase and
+policy produces its figures), not speed. The oracle, being the yardstick the routing targets
+are judged by, is checked on traces whose answer is known.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # the benches import their shared bench/_harness.py
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        # Registered first: dataclasses look their module up in sys.modules.
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _group_trace(groups: int, per_group: int, seed: int = 0) -> list[list[int]]:
+    """Requests of ``groups`` 64-token prefixes (4 blocks of 16) + 5 unique tokens, round robin."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, 10_000) for _ in range(64)] for _ in range(groups)]
+    return [
+        prefixes[i % groups] + [rng.randrange(100, 10_000) for _ in range(5)]
+        for i in range(groups * per_group)
+    ]
+
+
+def test_oracle_keeps_each_group_on_its_own_replica() -> None:
+    routing = _load("routing")
+    prompts = _group_trace(groups=2, per_group=5)
+    got = routing.oracle_hit_rate(prompts, replicas=2, capacity_blocks=5, block_size=16)
+    # Everything but each group's first request hits its 4 prefix blocks.
+    expected = 8 * 64 / sum(len(p) for p in prompts)
+    assert got["oracle"] == pytest.approx(expected, abs=1e-3)
+    assert got["upper_bound_infinite_cache"] == pytest.approx(expected, abs=1e-3)
+
+
+def test_oracle_is_bounded_by_capacity_and_never_hits_the_last_block() -> None:
+    routing = _load("routing")
+    # One replica holding 4 blocks, two alternating 4-block groups: LRU evicts each before reuse.
+    thrash = routing.oracle_hit_rate(
+        _group_trace(groups=2, per_group=5), replicas=1, capacity_blocks=4, block_size=16
+    )
+    assert thrash["oracle"] == 0.0 and thrash["upper_bound_infinite_cache"] > 0.5
+    # A prompt of exactly 2 blocks, repeated: only its first block can ever be a hit.
+    same = [[7] * 32, [7] * 32]
+    got = routing.oracle_hit_rate(same, replicas=1, capacity_blocks=8, block_size=16)
+    assert got["oracle"] == pytest.approx(16 / 64)
+
+
+def test_oracle_spreads_sessions_that_share_a_system_prompt() -> None:
+    routing = _load("routing")
+    rng = random.Random(1)
+    system = [rng.randrange(100, 10_000) for _ in range(32)]
+    # Four sessions of 64 tokens each after a shared 32, four turns each; one replica holds
+    # one session. Greedy sends all to the replica holding the shared prompt (and thrashes);
+    # pinning sessions to replicas keeps each whole.
+    own = [[rng.randrange(100, 10_000) for _ in range(64)] for _ in range(4)]
+    prompts = [system + own[s] + [5] for _turn in range(4) for s in range(4)]
+    sessions = [s for _turn in range(4) for s in range(4)]
+    got = routing.oracle_hit_rate(
+        prompts, replicas=4, capacity_blocks=6, block_size=16, sessions=sessions
+    )
+    assert got["oracle_greedy"] < got["oracle_partitioned"] - 0.3
+    assert got["oracle_partitioned"] == pytest.approx(12 * 96 / (16 * 97), abs=1e-3)
+    assert got["oracle"] == got["oracle_partitioned"]
+
+
+def test_timed_oracle_hits_only_blocks_whose_prefill_is_done() -> None:
+    routing = _load("routing")
+    prompts = _group_trace(groups=1, per_group=3)
+    sizes = {"replicas": 1, "capacity_blocks": 16, "block_size": 16}
+    # The second request is sent while the first is still in prefill: it recomputes.
+    ready = [(0.0, 1.0), (0.5, 1.5), (2.0, 2.1)]
+    timed = routing.oracle_hit_rate(prompts, ready_at=ready, **sizes)
+    untimed = routing.oracle_hit_rate(prompts, **sizes)
+    total = sum(len(p) for p in prompts)
+    assert timed["oracle"] == pytest.approx(64 / total, abs=1e-3)
+    assert untimed["oracle"] == pytest.approx(128 / total, abs=1e-3)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(90)
+def test_gateway_bench_reports_every_phase_against_direct_and_the_floor() -> None:
+    gateway = _load("gateway")
+    result = gateway.main(
+        ["--requests", "40", "--requests-single", "10", "--concurrency", "1", "4", "--rounds", "1",
+         "--chunks", "4", "--timing-chunks", "4", "--interval-ms", "30"]
+    )  # fmt: skip
+    for phase in ("plain_c1", "plain_c4", "stream_c1", "stream_c4"):
+        got = result["phases"][phase]
+        assert got["gateway"]["requests"] == (10 if phase.endswith("c1") else 40)
+        assert got["gateway"]["proxy_cpu_us_per_request"] > 0
+        assert "p50" in got["gateway"]["added_latency_ms"]
+    assert result["phases"]["stream_c4"]["floor_httpx"]["proxy_cpu_us_per_chunk"] > 0
+    timing = result["chunk_timing"]
+    assert len(timing["gateway_chunk_arrival_ms"]) >= 4
+    assert isinstance(result["targets"]["meets_rps"], bool)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_routing_bench_reports_hit_rates_ttft_and_the_oracle() -> None:
+    routing = _load("routing")
+    result = routing.main(
+        ["--policies", "precise", "--replicas", "2", "--num-blocks", "32",
+         "--time-scale", "0.1", "--groups", "4", "--users", "2", "--requests", "12",
+         "--rate", "40", "--question-tokens", "8", "--output-tokens", "2",
+         "--conversations", "3", "--turns", "2", "--turn-tokens", "16",
+         "--chat-system-tokens", "40", "--chat-output-tokens", "4", "--chat-rate", "20",
+         "--think-s", "0.01"]
+    )  # fmt: skip
+    for workload in ("shared_prefix", "multi_turn"):
+        got = result["results"][workload]["precise"]
+        assert got["failed"] == 0 and got["requests"] > 0
+        assert got["prompt_tokens"] > 0 and got["ttft_ms"]["n"] == got["requests"]
+        oracle = got["oracle"]
+        assert oracle["prompt_token_mismatches"] == 0
+        assert 0 <= oracle["timed"] <= oracle["untimed"] <= oracle["upper_bound_infinite_cache"]
+    # The shared prompts repeat, so something must have hit somewhere.
+    assert result["results"]["shared_prefix"]["precise"]["cached_tokens"] > 0

@@ -1,0 +1,132 @@
+"""What the key, limit and accounting tests share: sessions on a test database, keys made as
+the admin API makes them, a Postgres that goes away and comes back, and an async wait.
+
+A database "goes away" by refusing connections (ALTER DATABASE ... ALLOW_CONNECTIONS false)
+after its sessions are ended: to a gateway that is what a stopped Postgres looks like (the
+LISTEN connection drops, every new connection fails), and it comes back at once, unlike a
+restarted server whose port another test may have taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime
+from typing import Any, TypeVar
+
+import psycopg
+from pg_harness import PgServer
+from psycopg import sql
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from llmgw.controlplane.admin.keys import notify_keys_changed
+from llmgw.controlplane.database import create_engine, session_factory
+from llmgw.controlplane.gateway.keys import new_api_key
+from llmgw.controlplane.tables import ApiKey
+from llmgw.embedded_postgres import libpq_url
+
+__all__ = ["database_offline", "insert_key", "revoke_key", "sessions_on", "until"]
+
+T = TypeVar("T")
+
+
+@asynccontextmanager
+async def sessions_on(db_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    engine = create_engine(db_url, pool_size=2, connect_timeout_s=2)
+    try:
+        yield session_factory(engine)
+    finally:
+        await engine.dispose()
+
+
+async def insert_key(
+    sessions: async_sessionmaker[AsyncSession],
+    name: str,
+    *,
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    quota: int | None = None,
+    period: str | None = None,
+    concurrency: int | None = None,
+    cache_salt: str | None = None,
+    expires_at: datetime | None = None,
+) -> tuple[str, str]:
+    """(key id, plaintext key), stored and announced as the admin API does."""
+    key = new_api_key()
+    async with sessions() as session, session.begin():
+        session.add(
+            ApiKey(
+                id=key.id,
+                name=name,
+                secret_sha256=key.secret_sha256,
+                allowed_models=models,
+                rate_limit_rpm=rpm,
+                rate_limit_tpm=tpm,
+                token_quota=quota,
+                quota_period=period or ("month" if quota is not None else None),
+                concurrency_limit=concurrency,
+                cache_salt=cache_salt,
+                expires_at=expires_at,
+            )
+        )
+        await session.flush()
+        await notify_keys_changed(session, key.id)
+    return key.id, key.plaintext
+
+
+async def revoke_key(sessions: async_sessionmaker[AsyncSession], name: str) -> None:
+    async with sessions() as session, session.begin():
+        row = (await session.scalars(select(ApiKey).where(ApiKey.name == name))).one()
+        row.disabled = True
+        await session.flush()
+        await notify_keys_changed(session, row.id)
+
+
+async def until(
+    condition: Callable[[], T | Awaitable[T | None] | None], *, timeout_s: float, what: str
+) -> T:
+    """Poll ``condition`` (sync or async) until it returns something truthy; fail naming
+    ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value: Any = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value  # type: ignore[no-any-return]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def _dbname(db_url: str) -> str:
+    return db_url.rsplit("/", 1)[1].split("?", 1)[0]
+
+
+def _allow(pg_server: PgServer, name: str, allow: bool) -> None:
+    with psycopg.connect(libpq_url(pg_server.admin_url), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(
+                sql.Identifier(name), sql.Literal(allow)
+            )
+        )
+        if not allow:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                (name,),
+            )
+
+
+@contextmanager
+def database_offline(pg_server: PgServer, db_url: str) -> Iterator[None]:
+    """The database refuses every connection until the block ends."""
+    name = _dbname(db_url)
+    _allow(pg_server, name, False)
+    try:
+        yield
+    finally:
+        _allow(pg_server, name, True)

@@ -1,0 +1,444 @@
+"""The gateway's request path, served for real against real simulator processes: the official
+`openai` client (sync, async, streaming), OpenAI's error shape for every failure, usage asked
+for and stripped on streams, settlement on completion and on a client that leaves mid-stream,
+the key's cache salt on every request, retries and passive health.
+
+Keys and limits are stand-ins here (gateway_testkit); test_gateway_e2e.py runs the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gateway_testkit import (
+    SIM_KEY,
+    Key,
+    Served,
+    Settled,
+    endpoint,
+    serve_asgi,
+    serve_gateway,
+    table,
+)
+from support.procs import free_port, wait_for
+
+from llmgw.config import GatewaySettings
+from llmgw.controlplane.gateway.routes import ModelRoute, RouteTable
+from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
+
+pytestmark = pytest.mark.timeout(60)
+
+GOOD = Key("k1", "good")
+ONLY_OTHER = Key("k2", "restricted", allowed_models=frozenset({"other"}))
+SALTED = Key("k3", "salted", cache_salt="tenant-salt-1")
+LIMITED = Key("k4", "limited")
+KEYS = {"s1": GOOD, "s2": ONLY_OTHER, "s3": SALTED, "s4": LIMITED}
+
+
+def _auth(key: Key, secret: str) -> str:
+    return f"llmgw_{key.key_id}_{secret}"
+
+
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SimProcess]]:
+    tmp = tmp_path_factory.mktemp("sims")
+    started = [
+        start_sim(
+            tmp,
+            "--served-model-name",
+            "m",
+            "--time-scale",
+            "0.2",
+            "--num-blocks",
+            "512",
+            env={"SIMENGINE_API_KEY": SIM_KEY},
+        )
+        for _ in range(2)
+    ]
+    try:
+        yield started
+    finally:
+        for sim in started:
+            stop_sim(sim)
+
+
+@pytest.fixture(scope="module")
+def gw(sims: list[SimProcess]) -> Iterator[Served]:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: a connection error
+    routes = table(
+        {
+            "m": tuple(endpoint(f"r{i}", s.base_url) for i, s in enumerate(sims)),
+            "down": (),
+            "broken": (endpoint("dead", dead),),
+            "other": (endpoint("r0", sims[0].base_url),),
+        }
+    )
+    with serve_gateway(routes, KEYS) as served:
+        yield served
+
+
+def _last_released(gw: Served) -> Settled:
+    """The newest admission, once released: the answer's last byte can reach the client a
+    moment before the gateway settles and releases."""
+    return wait_for(
+        lambda: gw.limits.admissions[-1] if gw.limits.admissions[-1].released else None,
+        timeout_s=5,
+        what="the last admission's release",
+    )
+
+
+def _client(gw: Served, key: Key = GOOD, secret: str = "s1") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=_auth(key, secret), max_retries=0)
+
+
+def test_openai_sync_client_chat_and_completions(gw: Served) -> None:
+    client = _client(gw)
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello there"}], max_tokens=5
+    )
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    done = client.completions.create(model="m", prompt="once upon a time", max_tokens=3)
+    assert done.choices[0].text and done.usage is not None
+    assert [m.id for m in client.models.list()] == ["broken", "down", "m", "other"]
+    record = _last_released(gw)
+    assert record.settled == [
+        (
+            done.usage.prompt_tokens,
+            3,
+            done.usage.prompt_tokens_details.cached_tokens
+            if done.usage.prompt_tokens_details
+            else 0,
+        )
+    ]
+    assert record.released and record.reserve >= 3
+
+
+def test_openai_async_client_and_streaming(gw: Served) -> None:
+    async def run() -> tuple[list[str], int]:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=_auth(GOOD, "s1"))
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "stream please"}],
+            max_tokens=8,
+            stream=True,
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        many = await asyncio.gather(
+            *(client.completions.create(model="m", prompt=f"p{i}", max_tokens=2) for i in range(8))
+        )
+        await client.close()
+        return pieces, len(many)
+
+    pieces, n = asyncio.run(run())
+    assert len([p for p in pieces if p]) == 8 and n == 8
+
+
+def test_stream_usage_is_asked_for_and_stripped_unless_the_client_asked(gw: Served) -> None:
+    client = _client(gw)
+    chunks = list(
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+        )
+    )
+    assert all(c.usage is None for c in chunks)
+    # ... yet the gateway settled from the engine's usage it asked for.
+    assert _last_released(gw).settled[0][1] == 4
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_a_client_leaving_mid_stream_is_settled_for_what_was_streamed(gw: Served) -> None:
+    before = len(gw.limits.admissions)
+    body = {"model": "m", "prompt": "tell a long story", "max_tokens": 400, "stream": True}
+    headers = {"Authorization": f"Bearer {_auth(GOOD, 's1')}"}
+    with (
+        httpx.Client(timeout=10) as http,
+        http.stream("POST", f"{gw.url}/v1/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+            if got >= 3:
+                break
+    record = wait_for(
+        lambda: next((a for a in gw.limits.admissions[before:] if a.released and a.settled), None),
+        timeout_s=10,
+        what="the abandoned stream's settlement",
+    )
+    prompt, completion, _ = record.settled[0]
+    assert 3 <= completion < 400 and prompt > 0
+
+
+def test_cache_salt_of_the_key_reaches_the_engine(sims: list[SimProcess]) -> None:
+    # One replica, one prompt: the salted key's second request hits its own blocks, the
+    # unsalted key's request for the same prompt hits nothing (the salt is hashed into block 0).
+    prompt = "salted prefix " * 40
+    with serve_gateway(table({"m": (endpoint("r0", sims[0].base_url),)}), KEYS) as gw:
+        salted = _client(gw, SALTED, "s3")
+        plain = _client(gw, GOOD, "s1")
+
+        def cached(client: openai.OpenAI) -> int:
+            r = client.completions.create(model="m", prompt=prompt, max_tokens=1)
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            return r.usage.prompt_tokens_details.cached_tokens or 0
+
+        cached(salted)
+        assert cached(salted) > 0
+        assert cached(plain) == 0
+        assert cached(plain) > 0  # the control: unsalted requests do share with each other
+
+
+def _error(r: httpx.Response) -> dict[str, object]:
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return dict(err)
+
+
+@pytest.mark.parametrize(
+    ("auth", "model", "status", "type_", "code"),
+    [
+        (None, "m", 401, "authentication_error", "invalid_api_key"),
+        ("Bearer llmgw_k1_wrong", "m", 401, "authentication_error", "invalid_api_key"),
+        ("Bearer llmgw_k1_s1", "nope", 404, "invalid_request_error", "model_not_found"),
+        ("Bearer llmgw_k2_s2", "m", 404, "invalid_request_error", "model_not_found"),
+        ("Bearer llmgw_k1_s1", "down", 503, "api_error", "no_ready_replica"),
+        ("Bearer llmgw_k4_s4", "m", 429, "rate_limit_error", "rate_limit_exceeded"),
+        ("Bearer llmgw_k1_s1", "broken", 502, "api_error", "upstream_error"),
+    ],
+)
+def test_each_failure_in_openai_shape(
+    gw: Served, auth: str | None, model: str, status: int, type_: str, code: str
+) -> None:
+    headers = {"Authorization": auth} if auth else {}
+    r = httpx.post(
+        f"{gw.url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+        headers=headers,
+        timeout=10,
+    )
+    assert r.status_code == status, r.text
+    err = _error(r)
+    assert (err["type"], err["code"]) == (type_, code)
+    if status == 429:
+        assert r.headers["retry-after"] == "8"
+    if status == 503:
+        assert r.headers["retry-after"] == "1"
+    assert "s1" not in str(err["message"])  # never echoes the key
+
+
+def test_openai_client_raises_its_own_exception_classes(gw: Served) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _client(gw, GOOD, "bad").models.list()
+    with pytest.raises(openai.NotFoundError):
+        _client(gw).completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.RateLimitError):
+        _client(gw, LIMITED, "s4").completions.create(model="m", prompt="x")
+    with pytest.raises(openai.InternalServerError):
+        _client(gw).completions.create(model="down", prompt="x")
+
+
+def test_body_rules(gw: Served) -> None:
+    auth = {"Authorization": f"Bearer {_auth(GOOD, 's1')}"}
+    r = httpx.post(f"{gw.url}/v1/completions", content=b"{nope", headers=auth)
+    assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
+    r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "x"}, headers=auth)
+    assert r.status_code == 400 and _error(r)["param"] == "model"
+    big = b'{"model":"m","prompt":"' + b"x" * (9 * 1024 * 1024) + b'"}'
+    r = httpx.post(f"{gw.url}/v1/completions", content=big, headers=auth, timeout=30)
+    assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+    # The key is checked before the body is read: a big body without a key is a 401.
+    r = httpx.post(f"{gw.url}/v1/completions", content=big, timeout=30)
+    assert r.status_code == 401
+    r = httpx.get(f"{gw.url}/v1/completions", headers=auth)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = httpx.get(f"{gw.url}/admin/v1/models", headers=auth)
+    assert r.status_code == 404 and _error(r)["code"] == "unknown_url"
+    # An engine's own 400 passes through as it is (already OpenAI's shape).
+    r = httpx.post(
+        f"{gw.url}/v1/completions",
+        json={"model": "m", "prompt": "x", "temperature": -3},
+        headers=auth,
+    )
+    assert r.status_code == 400 and _error(r)["param"] == "temperature"
+
+
+async def _proxy_cannot_reach_its_engine(scope: Any, receive: Any, send: Any) -> None:
+    """What the agent's proxy answers when its engine refuses connections."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    body = json.dumps(
+        {
+            "error": {
+                "message": "x",
+                "type": "server_error",
+                "param": None,
+                "code": "upstream-unavailable",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 502,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("bad_kind", ["connection refused", "proxy 502"])
+def test_an_unreachable_replica_is_retried_once_elsewhere_then_ejected(
+    sims: list[SimProcess], bad_kind: str
+) -> None:
+    settings = GatewaySettings(routing_policy="round_robin", eject_after_failures=2)
+    with serve_asgi(_proxy_cannot_reach_its_engine) as proxy:
+        url = f"http://127.0.0.1:{free_port()}" if bad_kind == "connection refused" else proxy
+        routes = table({"m": (endpoint("a-bad", url), endpoint("b-live", sims[0].base_url))})
+        with serve_gateway(routes, KEYS, settings=settings) as gw:
+            client = _client(gw)
+            for _ in range(6):
+                assert client.completions.create(model="m", prompt="x", max_tokens=1).choices
+            text = gw.metrics_text()
+    # Round-robin reached the bad replica twice before it was ejected; both were retried.
+    assert 'llmgw_gateway_retries_total{model="m"} 2.0' in text
+    assert 'llmgw_gateway_ejections_total{replica="a-bad"} 1.0' in text
+    assert (
+        'llmgw_gateway_upstream_errors_total{kind="connect",model="m",replica="a-bad"} 2.0' in text
+    )
+
+
+def test_least_loaded_spreads_and_metrics_count_requests(gw: Served) -> None:
+    client = _client(gw)
+    for i in range(4):
+        client.completions.create(model="m", prompt=f"spread {i}", max_tokens=1)
+    text = gw.metrics_text()
+    for replica in ("r0", "r1"):
+        assert f'llmgw_gateway_requests_total{{model="m",replica="{replica}",status="200"}}' in text
+    assert "llmgw_prefix_decisions_total" in text
+    stats = json.dumps(text.count("llmgw_gateway_ttft_seconds_count"))
+    assert stats != "0"
+
+
+async def _dies_mid_stream(scope: Any, receive: Any, send: Any) -> None:
+    """An engine that streams two chunks, then its connection drops."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream")],
+        }
+    )
+    for text in ("a", "b"):
+        chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+        body = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        # Time for the chunk to reach the gateway: aiohttp drops what it buffered when the
+        # connection breaks in the same read.
+        await asyncio.sleep(0.1)
+    raise RuntimeError("the engine died")  # uvicorn cuts the connection: no terminating chunk
+
+
+def test_a_failure_mid_stream_ends_with_an_openai_error_event() -> None:
+    with (
+        serve_asgi(_dies_mid_stream) as upstream,
+        serve_gateway(table({"m": (endpoint("r0", upstream),)}), KEYS) as gw,
+    ):
+        body = {"model": "m", "prompt": "x", "max_tokens": 10, "stream": True}
+        headers = {"Authorization": f"Bearer {_auth(GOOD, 's1')}"}
+        with httpx.stream(
+            "POST", f"{gw.url}/v1/completions", json=body, headers=headers, timeout=10
+        ) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) == 3
+        last = json.loads(events[-1][6:])
+        assert last["error"]["code"] == "upstream_error" and last["error"]["type"] == "api_error"
+        # Settled for the two chunks that reached the client.
+        record = _last_released(gw)
+        assert record.settled[0][1] == 2
+        text = gw.metrics_text()
+        assert 'kind="midstream",model="m",replica="r0"} 1.0' in text
+
+
+def test_an_adapter_name_routes_to_its_base_model_replicas(tmp_path: Path) -> None:
+    sim = start_sim(
+        tmp_path,
+        *("--served-model-name", "base", "--lora-modules", "sql=/adapters/sql"),
+        env={"SIMENGINE_API_KEY": SIM_KEY},
+    )
+    try:
+        ep = endpoint("r0", sim.base_url)
+        routes = RouteTable(
+            {
+                "base": ModelRoute("base", "base", None, (ep,)),
+                "sql": ModelRoute("sql", "base", ("sql", "/adapters/sql"), (ep,)),
+            },
+            1.0,
+        )
+        with serve_gateway(routes, KEYS) as gw:
+            client = _client(gw)
+            listed = {m.id: m for m in client.models.list()}
+            assert set(listed) == {"base", "sql"}
+            assert listed["sql"].model_extra is not None
+            assert listed["sql"].model_extra["parent"] == "base"
+            r = client.completions.create(model="sql", prompt="select", max_tokens=2)
+            assert r.model == "sql" and r.choices[0].text
+    finally:
+        stop_sim(sim)
+
+
+def test_a_client_leaving_a_long_unstreamed_request_aborts_it_on_the_engine(
+    tmp_path: Path,
+) -> None:
+    slow = start_sim(
+        tmp_path,
+        *("--served-model-name", "m", "--time-scale", "5"),
+        env={"SIMENGINE_API_KEY": SIM_KEY},
+    )
+
+    def engine_running() -> float:
+        text = httpx.get(f"{slow.base_url}/metrics", timeout=5).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
+
+    try:
+        with serve_gateway(table({"m": (endpoint("r0", slow.base_url),)}), KEYS) as gw:
+            body = {"model": "m", "prompt": "a very long answer", "max_tokens": 2000}
+            headers = {"Authorization": f"Bearer {_auth(GOOD, 's1')}"}
+            with pytest.raises(httpx.ReadTimeout):  # seconds of generation; gone after 1 s
+                httpx.post(f"{gw.url}/v1/completions", json=body, headers=headers, timeout=1.0)
+            wait_for(lambda: engine_running() == 0, timeout_s=3, what="the engine's abort")
+            wait_for(lambda: not gw.gateway.load.in_flight, timeout_s=3, what="in-flight at 0")
+            record = gw.limits.admissions[-1]
+            assert record.released and record.settled == []  # nothing delivered, nothing billed
+    finally:
+        stop_sim(slow)

@@ -1,0 +1,303 @@
+"""The router's pure core: decide(), precise_shares() over a real PrefixIndex, the approximate
+tree, and build_table(). Table tests for the rules, hypothesis for the invariants."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.controlplane.gateway.approx import ApproxTree, chunk_hashes
+from llmgw.controlplane.gateway.router import (
+    Candidate,
+    HashParams,
+    decide,
+    precise_shares,
+)
+from llmgw.controlplane.gateway.routes import DeclaredRow, RouteRow, build_table
+from llmgw.kv import PrefixIndex, block_hashes, hash64
+
+A, B, C = (Candidate("ra", "sa", 0), Candidate("rb", "sb", 0), Candidate("rc", "sc", 0))
+
+
+def _load(c: Candidate, load: int) -> Candidate:
+    return Candidate(c.replica, c.shard, load)
+
+
+# --- decide: the rules ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cands", "precise", "approx", "want", "method", "outcome"),
+    [
+        # The longest held prefix wins.
+        ([A, B, C], {"ra": 0.2, "rb": 0.9, "rc": 0.0}, None, "rb", "precise", "hit"),
+        # Nobody holds anything: least-loaded, counted as a miss.
+        ([_load(A, 3), B, _load(C, 1)], {"ra": 0, "rb": 0, "rc": 0}, None, "rb", "precise", "miss"),
+        # The holder is overloaded (load 9 > 0 + slack 4): passed over, counted.
+        (
+            [_load(A, 9), B, C],
+            {"ra": 1.0, "rb": 0.0, "rc": 0.0},
+            None,
+            "rb",
+            "precise",
+            "overloaded",
+        ),
+        # Within the slack a hit still wins over a lighter replica.
+        ([_load(A, 4), B, C], {"ra": 1.0, "rb": 0.0, "rc": 0.0}, None, "ra", "precise", "hit"),
+        # A second-best holder within slack is taken when the best is overloaded.
+        (
+            [_load(A, 9), _load(B, 1), C],
+            {"ra": 1.0, "rb": 0.5, "rc": 0},
+            None,
+            "rb",
+            "precise",
+            "overloaded",
+        ),
+        # Partial views (missing from `precise`) are scored by the approximate tier.
+        ([A, B], {"ra": 0.1}, {"ra": 0.0, "rb": 0.8}, "rb", "precise", "hit"),
+        # No precise view at all (index not warm): counted as approximate, never as precise.
+        ([A, B], None, {"ra": 0.0, "rb": 0.5}, "rb", "approximate", "hit"),
+        ([A, B], {}, {"ra": 0.7, "rb": 0.5}, "ra", "approximate", "hit"),
+        # Precise finds no holder (the prefix is still in its first prefill somewhere): the
+        # tree of what this gateway sent where decides, counted as approximate.
+        ([A, B, C], {"ra": 0, "rb": 0, "rc": 0}, {"rc": 0.6}, "rc", "approximate", "hit"),
+        # Neither tier: least-loaded.
+        ([_load(A, 2), B], None, None, "rb", "least_loaded", "none"),
+    ],
+)
+def test_decide_rules(
+    cands: list[Candidate],
+    precise: Mapping[str, float] | None,
+    approx: Mapping[str, float] | None,
+    want: str,
+    method: str,
+    outcome: str,
+) -> None:
+    d = decide(cands, policy="auto", precise=precise, approximate=approx, load_slack=4)
+    assert (d.replica, d.method, d.outcome) == (want, method, outcome)
+
+
+def test_forced_policies() -> None:
+    cands = [C, A, B]
+    rr = [decide(cands, policy="round_robin", rotation=i).replica for i in range(6)]
+    assert rr == ["ra", "rb", "rc", "ra", "rb", "rc"]
+    assert decide(cands, policy="random", pick=0.99).replica == "rb"
+    assert decide(cands, policy="random", pick=0.0).replica == "rc"
+    d = decide([_load(A, 5), B, C], policy="least_loaded", precise={"ra": 1.0})
+    assert d.method == "least_loaded" and d.replica in ("rb", "rc")
+
+
+def test_session_affinity_breaks_ties_and_is_stable() -> None:
+    cands = [A, B, C]
+    chosen = {
+        decide(cands, policy="auto", approximate={}, session="s1", rotation=i).replica
+        for i in range(10)
+    }
+    assert len(chosen) == 1
+    # Without a session, ties rotate so equal replicas share the work.
+    spread = {decide(cands, policy="least_loaded", rotation=i).replica for i in range(3)}
+    assert spread == {"ra", "rb", "rc"}
+    # Affinity never beats a longer prefix.
+    d = decide(cands, policy="auto", precise={"ra": 0.0, "rb": 0.0, "rc": 0.5}, session="s1")
+    assert d.replica == "rc"
+
+
+def test_decide_needs_a_candidate() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        decide([], policy="auto")
+
+
+@st.composite
+def _world(draw: st.DrawFn) -> tuple[list[Candidate], dict[str, float], int]:
+    n = draw(st.integers(1, 6))
+    cands = [Candidate(f"r{i}", f"s{i}", draw(st.integers(0, 20))) for i in range(n)]
+    shares = {c.replica: draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) for c in cands}
+    return cands, shares, draw(st.integers(0, 6))
+
+
+@given(_world(), st.integers(0, 100))
+def test_a_hit_never_goes_to_an_overloaded_replica(
+    world: tuple[list[Candidate], dict[str, float], int], rotation: int
+) -> None:
+    cands, shares, slack = world
+    d = decide(cands, policy="auto", precise=shares, load_slack=slack, rotation=rotation)
+    low = min(c.load for c in cands)
+    chosen = next(c for c in cands if c.replica == d.replica)
+    if d.share > 0:
+        assert chosen.load <= low + slack
+        # ... and nothing eligible holds more.
+        eligible = [c for c in cands if c.load <= low + slack]
+        assert d.share == max(shares[c.replica] for c in eligible)
+    else:
+        # No eligible holder: the least-loaded (among eligible) takes it.
+        assert chosen.load <= low + slack
+    assert d.outcome in ("hit", "miss", "overloaded")
+    assert (d.outcome == "miss") == (max(shares.values()) == 0)
+
+
+# --- precise_shares over the real index ----------------------------------------------------------
+
+P = HashParams(seed="4242", block_size=4, extra_key_format="tagged")
+
+
+def _stored(tokens: list[int], *, salt: str | None = None, params: HashParams = P) -> list[int]:
+    return [
+        hash64(d)
+        for d in block_hashes(
+            tokens,
+            params.block_size,
+            seed=params.seed,
+            cache_salt=salt,
+            extra_key_format=params.extra_key_format,
+        )
+    ]
+
+
+def test_precise_shares_count_leading_blocks_and_skip_partial_views() -> None:
+    index = PrefixIndex()
+    prompt = list(range(1, 18))  # 17 tokens: 4 scorable blocks of 4
+    held = _stored(prompt)
+    index.apply_snapshot("m", "sa", {"gpu": held[:4]})
+    index.apply_snapshot("m", "sb", {"gpu": held[:2]})
+    index.apply_snapshot("m", "sc", {"gpu": held[1:4]})  # no first block: matches nothing
+    index.apply_snapshot("m", "sd", {"gpu": held}, partial=True)
+    d = Candidate("rd", "sd", 0)
+    shares = precise_shares(
+        index, "m", prompt, {P: [A, B, C, d]}, complete=lambda s: s != "sx", cache_salt=None
+    )
+    assert shares == {"ra": 1.0, "rb": 0.5, "rc": 0.0}  # rd: partial -> the approximate tier
+
+
+def test_precise_never_scores_the_last_block_of_an_exact_multiple() -> None:
+    index = PrefixIndex()
+    prompt = list(range(1, 17))  # 16 tokens = 4 full blocks; vLLM can hit at most 3
+    held = _stored(prompt)
+    index.apply_snapshot("m", "sa", {"gpu": held[:3]})
+    shares = precise_shares(index, "m", prompt, {P: [A]}, complete=lambda s: True, cache_salt=None)
+    assert shares == {"ra": 1.0}
+
+
+def test_precise_hashes_with_the_salt_so_tenants_never_match() -> None:
+    index = PrefixIndex()
+    prompt = list(range(100, 140))
+    index.apply_snapshot("m", "sa", {"gpu": _stored(prompt, salt="tenant-a")})
+    a = precise_shares(index, "m", prompt, {P: [A]}, complete=lambda s: True, cache_salt="tenant-a")
+    b = precise_shares(index, "m", prompt, {P: [A]}, complete=lambda s: True, cache_salt="tenant-b")
+    none = precise_shares(index, "m", prompt, {P: [A]}, complete=lambda s: True, cache_salt=None)
+    assert a == {"ra": 1.0} and b == {"ra": 0.0} and none == {"ra": 0.0}
+
+
+def test_precise_hashes_once_per_parameter_group() -> None:
+    other = HashParams(seed="7", block_size=4, extra_key_format="legacy")
+    index = PrefixIndex()
+    prompt = list(range(1, 30))
+    index.apply_snapshot("m", "sa", {"gpu": _stored(prompt)})
+    index.apply_snapshot("m", "sb", {"gpu": _stored(prompt, params=other)})
+    shares = precise_shares(
+        index, "m", prompt, {P: [A], other: [B]}, complete=lambda s: True, cache_salt=None
+    )
+    assert shares == {"ra": 1.0, "rb": 1.0}
+    # Scored with the wrong group's parameters, nothing matches.
+    crossed = precise_shares(
+        index, "m", prompt, {other: [A], P: [B]}, complete=lambda s: True, cache_salt=None
+    )
+    assert crossed == {"ra": 0.0, "rb": 0.0}
+
+
+# --- the approximate tree ----------------------------------------------------------------------
+
+
+def test_approx_tree_scores_leading_chunks_per_model_and_replica() -> None:
+    tree = ApproxTree(chunk_chars=4, max_entries=1000, ttl_s=10)
+    system = "abcdefghijklmnop"  # 4 chunks
+    tree.record("m", tree.chunks(system + "1234"), "ra", now=0)
+    tree.record("m", tree.chunks(system[:8]), "rb", now=0)
+    got = tree.score("m", tree.chunks(system + "zzzz"), ["ra", "rb", "rc"], now=1)
+    assert got == {"ra": 0.8, "rb": 0.4, "rc": 0.0}
+    assert tree.score("other", tree.chunks(system), ["ra"], now=1) == {"ra": 0.0}
+    # Past the TTL a claim no longer scores.
+    assert tree.score("m", tree.chunks(system), ["ra"], now=11) == {"ra": 0.0}
+
+
+def test_approx_tree_is_bounded_lru() -> None:
+    tree = ApproxTree(chunk_chars=2, max_entries=1000, ttl_s=100)
+    for i in range(5000):
+        tree.record("m", tree.chunks(f"{i:08d}"), "ra", now=i)
+    assert len(tree) == 1000
+    # The newest survive, the oldest are gone.
+    assert tree.score("m", tree.chunks(f"{4999:08d}"), ["ra"], now=5000) == {"ra": 1.0}
+    assert tree.score("m", tree.chunks(f"{0:08d}"), ["ra"], now=5000)["ra"] < 1.0
+
+
+@given(st.text(max_size=200), st.integers(1, 16))
+def test_chunk_hashes_are_prefix_stable(text: str, size: int) -> None:
+    whole = chunk_hashes(text + "tail" * 10, size)
+    part = chunk_hashes(text, size)
+    assert whole[: len(part)] == part
+
+
+# --- the route table ---------------------------------------------------------------------------
+
+
+def _row(replica: str, *, ready: bool = True, **profile: Any) -> RouteRow:
+    base = {"name": "p", "engine": "sim", "model": "m", "served_model_name": ""}
+    base.update(profile)
+    return RouteRow(
+        shard=f"s-{replica}",
+        replica=replica,
+        proxy_url=f"http://agent/shards/s-{replica}/",
+        api_key="engine-secret-xyz",
+        ready=ready,
+        index_model="m",
+        profile=base,
+    )
+
+
+def test_build_table_names_models_and_adapters() -> None:
+    rows = [
+        _row(
+            "r1",
+            adapters=[{"name": "sql", "path": "/a/sql"}],
+            kv_events=True,
+            kv_hash={"seed": "9", "block_size": 16, "extra_key_format": "tagged"},
+        ),
+        _row("r2"),
+        _row("r3", ready=False),
+        _row("r4", served_model_name="other", ready=False),
+    ]
+    table = build_table(rows, read_at=1.0)
+    m = table.routes["m"]
+    assert [e.replica for e in m.endpoints] == ["r1", "r2"]
+    assert m.endpoints[0].url == "http://agent/shards/s-r1"
+    assert m.endpoints[0].hash == HashParams("9", 16, "tagged")
+    assert m.endpoints[1].hash is None
+    sql = table.routes["sql"]
+    assert (sql.base, sql.lora, [e.replica for e in sql.endpoints]) == (
+        "m",
+        ("sql", "/a/sql"),
+        ["r1"],
+    )
+    # Deployed but nothing ready: known (503), not unknown (404).
+    assert table.routes["other"].endpoints == ()
+    assert "engine-secret-xyz" not in repr(m.endpoints[0])  # never in a log line
+
+
+def test_build_table_a_model_name_wins_over_an_adapter_of_the_same_name() -> None:
+    rows = [_row("r1", adapters=[{"name": "m2", "path": "/x"}]), _row("r2", served_model_name="m2")]
+    table = build_table(rows, read_at=0)
+    assert table.routes["m2"].lora is None
+    assert [e.replica for e in table.routes["m2"].endpoints] == ["r2"]
+
+
+def test_a_deployed_model_without_live_replicas_is_known_not_unknown() -> None:
+    declared = [DeclaredRow("gone", (("gone-sql", "/a"),)), DeclaredRow("m")]
+    table = build_table([_row("r1")], read_at=0, declared=declared)
+    assert table.routes["gone"].endpoints == () and table.routes["gone-sql"].lora == (
+        "gone-sql",
+        "/a",
+    )
+    assert [e.replica for e in table.routes["m"].endpoints] == ["r1"]

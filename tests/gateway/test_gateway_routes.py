@@ -1,0 +1,114 @@
+"""The route table against a real Postgres: which replicas are routable (ready, active, desired
+running, with a proxy URL), refresh on NOTIFY, and the last table kept while Postgres is
+unreachable (fail static)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from structlog.testing import capture_logs
+from support.procs import free_port
+
+from llmgw.controlplane.database import create_engine, session_factory
+from llmgw.controlplane.gateway.routes import RouteCache
+from llmgw.controlplane.queries import CHANGE_CHANNEL
+from llmgw.embedded_postgres import libpq_url
+from tests.controlplane.agentapi_testkit import place_shard
+
+
+async def _sql(sessions: async_sessionmaker[AsyncSession], sql: str, **params: Any) -> None:
+    async with sessions() as session, session.begin():
+        await session.execute(text(sql), params)
+
+
+async def _ready(sessions: async_sessionmaker[AsyncSession], shard: str, **extra: str) -> None:
+    await _sql(
+        sessions,
+        "UPDATE shards SET observed_state = 'ready', proxy_url = :url WHERE id = :id",
+        id=shard,
+        url=f"http://agent:9/shards/{shard}",
+    )
+
+
+async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
+    engine = create_engine(db_url, pool_size=2)
+    sessions = session_factory(engine)
+    try:
+        async with sessions() as session, session.begin():
+            node = (
+                await session.execute(text("INSERT INTO nodes (name) VALUES ('n1') RETURNING id"))
+            ).scalar_one()
+        node_id = str(node)
+        a = await place_shard(sessions, node_id, gpus=(0,), model="alpha", kv_events=True)
+        b = await place_shard(sessions, node_id, gpus=(1,), model="beta")
+        await _ready(sessions, a)
+        await _ready(sessions, b)
+        await _sql(
+            sessions,
+            "UPDATE replicas SET state = 'draining' WHERE id = "
+            "(SELECT replica_id FROM shards WHERE id = :id)",
+            id=b,
+        )
+        cache = RouteCache(sessions, libpq_url=libpq_url(db_url), refresh_s=1.0)
+        await cache.start()
+        try:
+            alpha, beta = cache.table.routes["alpha"], cache.table.routes["beta"]
+            assert [e.shard for e in alpha.endpoints] == [a]
+            params = alpha.endpoints[0].hash
+            assert params is not None and (params.block_size, params.extra_key_format) == (
+                16,
+                "tagged",
+            )
+            assert alpha.endpoints[0].url == f"http://agent:9/shards/{a}"
+            assert alpha.endpoints[0].api_key == "engine-key"
+            # Draining: known (503), not routable.
+            assert beta.endpoints == ()
+            # Every shard released (scaled to zero, or replaced): still known, from the
+            # deployment.
+            await _sql(sessions, "UPDATE shards SET released = true WHERE id = :id", id=a)
+            await cache.refresh()
+            assert cache.table.routes["alpha"].endpoints == ()
+            await _sql(sessions, "UPDATE shards SET released = false WHERE id = :id", id=a)
+            await cache.refresh()
+
+            # Back to active, then NOTIFY: seen well before the 1 s period.
+            await _sql(
+                sessions,
+                "UPDATE replicas SET state = 'active' WHERE id = "
+                "(SELECT replica_id FROM shards WHERE id = :id)",
+                id=b,
+            )
+            await asyncio.sleep(0.2)  # the LISTEN connection is up (it started with the cache)
+            cache.changed.clear()
+            started = time.monotonic()
+            await _sql(sessions, f"NOTIFY {CHANGE_CHANNEL}")
+            await asyncio.wait_for(cache.changed.wait(), timeout=5)
+            assert time.monotonic() - started < 0.8
+            assert [e.shard for e in cache.table.routes["beta"].endpoints] == [b]
+
+            # Postgres unreachable: the last table stays, one warning says why.
+            dead = create_engine(
+                f"postgresql+psycopg://x:y@127.0.0.1:{free_port()}/none",
+                pool_size=1,
+                connect_timeout_s=1,
+            )
+            cache._sessions = session_factory(dead)
+            with capture_logs() as logs:
+                await cache._refresh_quietly()
+                await cache._refresh_quietly()
+            assert [e.shard for e in cache.table.routes["alpha"].endpoints] == [a]
+            events = [e["event"] for e in logs]
+            assert events == ["gateway_routes_refresh_failed"]
+            await dead.dispose()
+            cache._sessions = sessions
+            with capture_logs() as logs:
+                await cache._refresh_quietly()
+            assert [e["event"] for e in logs] == ["gateway_routes_restored"]
+        finally:
+            await cache.stop()
+    finally:
+        await engine.dispose()
