@@ -1,48 +1,54 @@
 """`llmgw up`: the all-in-one deployment on one machine.
 
-A private Postgres in the data dir, migrated to head, then the control plane as
-a child process (so it can fail and be restarted on its own; the node agent
-and the demo model on the simulator join it as later pieces land). Both are
-supervised: a control plane or a Postgres that dies is restarted with backoff.
-Only the public listener (--host/--port) may face the network; the admin API
-stays on controlplane.internal_host (127.0.0.1 by default). Ctrl-C
-(SIGINT) or SIGTERM stops the children, then Postgres, cleanly; a second run
-reuses the data dir, its admin token and everything stored.
+A private Postgres in the data dir, migrated to head, then `llmgw controlplane` and
+`llmgw agent` as child processes, each supervised on its own: one that dies is restarted
+alone, with growing pauses (the agent adopts the engines that kept running). The agent
+registers with a bootstrap token `up` creates, offers `--sim-gpus` simulated GPUs, and
+runs the demo (config/demo.yaml, applied once unless --no-demo) on the simulator. While
+replicas come up, `up` says which shard is loading, ready or failing and why; once the
+OpenAI endpoint answers a chat completion with the API key `up` created, it prints the
+URLs, the key, the admin token and examples, and writes up.json (0600).
 
-What it must not do: hold the only copy of anything (all state is in Postgres
-or the data dir), or start over a data dir another `llmgw up` holds.
+Only the public listener (--host/--port) may face the network; the admin API stays on
+controlplane.internal_host (127.0.0.1 by default). Ctrl-C (SIGINT), SIGTERM or SIGHUP
+stops engines, agent, control plane and Postgres in that order; a second run reuses the
+data dir, its tokens, key and everything stored. Children die with `up` (parent-death
+signal), and a run that finds children a killed `up` left (children.json) stops them
+before starting its own, so two agents never share one state dir.
+
+What it must not do: hold the only copy of anything (all state is in Postgres or the data
+dir), or start over a data dir another `llmgw up` holds.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from sqlalchemy.engine import URL, make_url
 
+from llmgw import allinone_api as api
+from llmgw import allinone_procs as procs
+from llmgw.allinone_procs import Child
 from llmgw.embedded_postgres import (
     DataDirInUseError,
     EmbeddedPostgres,
-    die_with_parent,
     libpq_url,
 )
 from llmgw.errors import ConfigError, ConflictError, EngineStartError
 from llmgw.logs import get_logger
 
-__all__ = ["AllInOne", "UpOptions"]
+__all__ = ["AllInOne", "UpOptions", "load_or_create_admin_token"]
 
 log = get_logger("llmgw.up")
 
@@ -51,72 +57,29 @@ _UP_JSON = "up.json"
 _CHILD_READY_TIMEOUT_S = 60.0
 # A child that keeps dying is restarted with growing pauses, not in a hot loop.
 _RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+# The agent stops its engines before it exits (--stop-engines-on-exit): each gets its
+# SIGTERM grace (agent.stop_grace_s) before the wrapper escalates.
+_AGENT_STOP_TIMEOUT_S = 60.0
+_CONTROLPLANE_STOP_TIMEOUT_S = 20.0
+# A single machine syncs every second: startup waits on syncs, and one node costs nothing.
+_SYNC_S = "1.0"
+_TICK_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
 class UpOptions:
     data_dir: Path
     host: str
-    port: int  # the public listener: OpenAI endpoint (served once the gateway lands)
-    admin_port: int  # the control plane's internal listener: admin API, health
+    port: int  # the public listener: the OpenAI API
+    admin_port: int  # the control plane's internal listener: admin API, agent API, metrics
     demo: bool
     log_level: str
     config_path: Path | None
     # The internal listener's address. Never --host: the admin token can set engine argv on
     # every node, so publishing the OpenAI port must not publish the admin API with it.
     internal_host: str = "127.0.0.1"
-
-
-def _port_free(host: str, port: int, *, field: str = "--host") -> bool:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ConfigError(f"{field} {host!r} does not resolve ({exc})", field=field) from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError:
-            return False
-    return True
-
-
-def _write_private(path: Path, content: str) -> None:
-    """Write a file only its owner can read, atomically (a reader never sees half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(content)
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def _data_dir_lock(data_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the data dir for the life of one `llmgw up`.
-
-    Checked first, before ports or Postgres: a second `llmgw up` on the same data
-    dir is told exactly that, with the holder's pid, instead of tripping over a
-    port or a server the first one owns. The kernel drops the lock when the
-    process dies, so a crash never leaves a stale lock behind.
-    """
-    path = data_dir / "up.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise ConflictError(
-                f"data dir {data_dir} is in use by another `llmgw up` (pid {holder}); stop it, "
-                "or pass another --data-dir",
-                field="--data-dir",
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
+    sim_gpus: int = 8
+    demo_path: Path | None = None  # None: config/demo.yaml of this source tree
 
 
 def load_or_create_admin_token(data_dir: Path) -> str:
@@ -130,25 +93,33 @@ def load_or_create_admin_token(data_dir: Path) -> str:
             "generated (clients using the old token will need the new one)"
         )
     token = secrets.token_urlsafe(32)
-    _write_private(path, token + "\n")
+    api.write_private(path, token + "\n")
     return token
 
 
 class AllInOne:
-    def __init__(self, opts: UpOptions, *, say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        opts: UpOptions,
+        *,
+        say: Callable[[str], None] = print,
+        show: Callable[[str], None] = print,
+    ) -> None:
         self.opts = opts
-        self._say = say
+        self._say = say  # progress, to stderr
+        self._show = show  # the announcement, to stdout
         self._stop = threading.Event()
         self._pg: EmbeddedPostgres | None = None
-        self._child: subprocess.Popen[bytes] | None = None
+        self._children: dict[str, Child] = {}
+        self._t0 = time.monotonic()
 
     @property
     def admin_url(self) -> str:
         return _http_url(_connectable(self.opts.internal_host), self.opts.admin_port)
 
     @property
-    def public_url(self) -> str:
-        return _http_url(self.opts.host, self.opts.port)
+    def base_url(self) -> str:
+        return _http_url(_connectable(self.opts.host), self.opts.port) + "/v1"
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -156,10 +127,10 @@ class AllInOne:
     def run(self) -> int:
         opts = self.opts
         opts.data_dir.mkdir(parents=True, exist_ok=True)
-        with _data_dir_lock(opts.data_dir):
+        with procs.data_dir_lock(opts.data_dir):
             return self._run_locked()
 
-    def _run_locked(self) -> int:
+    def _check_ports(self) -> None:
         opts = self.opts
         if not 1 <= opts.admin_port <= 65535:
             raise ConfigError(
@@ -167,11 +138,6 @@ class AllInOne:
                 "pass --admin-port",
                 field="--admin-port",
             )
-        stale = opts.data_dir / _UP_JSON
-        if stale.exists():
-            # We hold the lock, so whoever wrote it is gone without cleaning up.
-            log.warning("previous_run_not_stopped_cleanly", up_json=str(stale))
-            stale.unlink()
         if opts.port == opts.admin_port:
             raise ConfigError(
                 f"--port and --admin-port are both {opts.port}; the public and the internal "
@@ -182,12 +148,22 @@ class AllInOne:
             (opts.host, "--host", opts.port, "--port"),
             (opts.internal_host, "controlplane.internal_host", opts.admin_port, "--admin-port"),
         ):
-            if not _port_free(host, port, field=host_field):
+            if not procs.port_free(host, port, field=host_field):
                 raise ConflictError(
                     f"port {port} on {host} is in use; pick another with {flag} "
                     "(or stop what holds it)",
                     field=flag,
                 )
+
+    def _run_locked(self) -> int:
+        opts = self.opts
+        stale = opts.data_dir / _UP_JSON
+        if stale.exists():
+            # We hold the lock, so whoever wrote it is gone without cleaning up.
+            log.warning("previous_run_not_stopped_cleanly", up_json=str(stale))
+            stale.unlink()
+        procs.stop_leftovers(opts.data_dir, self._say)
+        self._check_ports()
         token = load_or_create_admin_token(opts.data_dir)
         self._pg = EmbeddedPostgres(opts.data_dir, progress=self._say, stop_with_owner=True)
         try:
@@ -211,124 +187,240 @@ class AllInOne:
                 self._say("Migrating the state store ...")
                 migrations.upgrade(url)
             if not self._stop.is_set():
-                self._start_controlplane(url, token)
-            if self._wait_ready():
-                self._announce(token)
-                self._supervise(url, token)
+                self._start_children(url, token)
+                self._supervise(token)
         finally:
-            self._stop_child()
             (opts.data_dir / _UP_JSON).unlink(missing_ok=True)
+            self._stop_children()
             self._pg.stop()
+            (opts.data_dir / procs.CHILDREN_JSON).unlink(missing_ok=True)
             self._say("Stopped.")
         return 0
 
-    def _child_env(self, url: str, token: str) -> dict[str, str]:
+    # --- children -------------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        # Settings the user gave through LLMGW_* variables reach the children too; ours win.
         env = dict(os.environ)
-        env["LLMGW_CONTROLPLANE__DATABASE_URL"] = url
-        env["LLMGW_CONTROLPLANE__ADMIN_TOKEN"] = token
         env["LLMGW_LOG__LEVEL"] = self.opts.log_level
+        env["LLMGW_LOG__JSON"] = "true"  # the children write to log files
         return env
 
-    def _start_controlplane(self, url: str, token: str) -> None:
-        cmd = [
+    def _start_children(self, url: str, token: str) -> None:
+        opts = self.opts
+        logs = opts.data_dir / "logs"
+        logs.mkdir(mode=0o700, exist_ok=True)
+        cp_env = self._env()
+        cp_env["LLMGW_CONTROLPLANE__DATABASE_URL"] = url
+        cp_env["LLMGW_CONTROLPLANE__ADMIN_TOKEN"] = token
+        cp_env["LLMGW_CONTROLPLANE__RECONCILE__SYNC_PERIOD_S"] = _SYNC_S
+        cp_argv = [
             sys.executable, "-m", "llmgw", "controlplane",
-            "--public-host", self.opts.host, "--public-port", str(self.opts.port),
-            "--host", self.opts.internal_host, "--port", str(self.opts.admin_port),
+            "--public-host", opts.host, "--public-port", str(opts.port),
+            "--host", opts.internal_host, "--port", str(opts.admin_port),
         ]  # fmt: skip
-        if self.opts.config_path is not None:
-            cmd += ["--config", str(self.opts.config_path)]
-        # Own process group: a Ctrl-C in the terminal reaches us, and we stop the child in order
-        # (control plane before Postgres) instead of both dying at once mid-write. Should we be
-        # killed outright, the parent-death signal stops it instead of leaving it orphaned.
-        self._child = subprocess.Popen(
-            cmd,
-            env=self._child_env(url, token),
-            start_new_session=True,
-            preexec_fn=die_with_parent,
+        if opts.config_path is not None:
+            cp_argv += ["--config", str(opts.config_path)]
+        cp = Child(
+            "controlplane", cp_argv, cp_env, logs / "controlplane.log", _CONTROLPLANE_STOP_TIMEOUT_S
         )
-        log.info("child_started", child="controlplane", pid=self._child.pid)
+        self._children["controlplane"] = cp
+        cp.start()
+        procs.record_children(self.opts.data_dir, list(self._children.values()))
 
-    def _wait_ready(self) -> bool:
-        """True once the control plane is ready; False if a stop was asked for first."""
-        if self._child is None:
-            return False
-        deadline = time.monotonic() + _CHILD_READY_TIMEOUT_S
-        while time.monotonic() < deadline and not self._stop.is_set():
-            child = self._child
-            if child is not None and child.poll() is not None:
-                raise EngineStartError(
-                    f"the control plane exited with status {child.returncode} while starting; "
-                    "its log above says why"
-                )
-            try:
-                r = httpx.get(f"{self.admin_url}/readyz", timeout=2.0)
-                if r.status_code == 200:
-                    return not self._stop.is_set()
-            except httpx.HTTPError:
-                pass
-            self._stop.wait(0.1)
-        if self._stop.is_set():
-            return False
-        raise EngineStartError(
-            f"the control plane was not ready within {_CHILD_READY_TIMEOUT_S:.0f}s at "
-            f"{self.admin_url}/readyz"
-        )
+        # The token is written into the database directly, so the agents start while the
+        # control plane is still importing (they retry registration until the API answers).
+        for agent in self._agent_children(url):
+            self._children[agent.name] = agent
+            agent.start()
+            procs.record_children(self.opts.data_dir, list(self._children.values()))
 
-    def _announce(self, token: str) -> None:
-        assert self._pg is not None
-        # The URL without its password: up.json is read by scripts and pasted into tickets; the
-        # password stays in its own 0600 file, which the psql hint reads.
-        app = make_url(self._pg.app_url)
-        database_url = libpq_url(
-            URL.create(
-                app.drivername,
-                username=app.username,
-                host=app.host,
-                port=app.port,
-                database=app.database,
-            ).render_as_string(hide_password=False)
-        )
-        info = {
-            "public_url": self.public_url,
-            "admin_url": self.admin_url,
-            "admin_token": token,
-            "database_url": database_url,
-            "data_dir": str(self.opts.data_dir),
-            "pid": os.getpid(),
-        }
-        _write_private(self.opts.data_dir / _UP_JSON, json.dumps(info, indent=2) + "\n")
-        self._say(
-            "\n"
-            f"llmgw is up.\n"
-            f"  Admin API:    {self.admin_url}/admin/v1   (OpenAPI: {self.admin_url}/docs)\n"
-            f"  Admin token:  {token}\n"
-            f"  Data dir:     {self.opts.data_dir}   (up.json there has both for scripts)\n"
-            f"  Try:          curl -H 'Authorization: Bearer {token}' {self.admin_url}/admin/v1/models\n"
-            f"  Database:     PGPASSWORD=$(cat {self._pg.app_password_path}) psql {database_url}\n"
-            "Press Ctrl-C to stop.\n"
-        )
+    def _agent_children(self, url: str) -> list[Child]:
+        """One agent for the simulated GPUs, one for this machine's real ones (NVML).
 
-    def _supervise(self, url: str, token: str) -> None:
-        failures = 0
-        started = time.monotonic()
-        while not self._stop.wait(0.5):
+        The agent reads its GPUs from one source, so real and simulated GPUs are two nodes:
+        `<host>-sim` and `<host>`, each with its own state dir and bootstrap token, and
+        disjoint engine port ranges (they would otherwise race for the same free port).
+        """
+        from llmgw.nodeagent.state import AgentState
+
+        opts = self.opts
+        host = socket.gethostname()
+        wanted: list[tuple[str, int, str, str]] = []
+        if opts.sim_gpus > 0:
+            wanted.append(("agent", opts.sim_gpus, f"{host}-sim", "25000-29999"))
+        if opts.sim_gpus == 0 or procs.nvml_gpu_count() > 0:
+            wanted.append(("agent-gpu", 0, host, "20000-24999"))
+        children = []
+        for name, sim_gpus, node_name, ports in wanted:
+            state_dir = opts.data_dir / name
+            registered = AgentState(state_dir).load_identity() is not None
+            token_file = api.ensure_bootstrap_token(
+                opts.data_dir, url, registered=registered, name=name
+            )
+            env = self._env()
+            # The agent's own ports: any free one (a second `up`, or a fleet agent, may hold
+            # the defaults); engines get theirs from the range.
+            env.setdefault("LLMGW_AGENT__PROXY_PORT", "0")
+            env["LLMGW_AGENT__PORT_RANGE_START"], env["LLMGW_AGENT__PORT_RANGE_END"] = ports.split(
+                "-"
+            )
+            env["LLMGW_AGENT__SYNC_INTERVAL_S"] = _SYNC_S
+            # One agent next to its control plane: retry a refused sync within a second (the
+            # control plane starts alongside it), and see an engine become ready within half
+            # a second; both would be wasteful across a thousand nodes, not on one.
+            env.setdefault("LLMGW_AGENT__SYNC_BACKOFF_MAX_S", "1.0")
+            env.setdefault("LLMGW_AGENT__HEALTH_INTERVAL_S", "0.5")
+            argv = [
+                sys.executable, "-m", "llmgw", "agent",
+                "--controlplane-url", self.admin_url,
+                "--bootstrap-token-file", str(token_file),
+                "--state-dir", str(state_dir),
+                "--node-name", node_name,
+                "--listen-port", "0",
+                "--stop-engines-on-exit",
+            ]  # fmt: skip
+            if sim_gpus:
+                argv += ["--sim-gpus", str(sim_gpus)]
+            if opts.config_path is not None:
+                argv += ["--config", str(opts.config_path)]
+            log_path = opts.data_dir / "logs" / f"{name}.log"
+            children.append(Child(name, argv, env, log_path, _AGENT_STOP_TIMEOUT_S))
+        return children
+
+    def _stop_children(self) -> None:
+        agents = [c for name, c in self._children.items() if name.startswith("agent")]
+        if any(a.alive() for a in agents):
+            self._say("Stopping engines and the agent ...")
+        # Each agent stops its engines first (--stop-engines-on-exit); together, not in turn.
+        for a in agents:
+            if a.popen is not None and a.popen.poll() is None:
+                a.popen.send_signal(signal.SIGTERM)
+        for a in agents:
+            a.stop()
+        for name in ("agent", "agent-gpu"):
+            procs.stop_orphan_engines(self.opts.data_dir / name)
+        cp = self._children.get("controlplane")
+        if cp is not None:
+            if cp.alive():
+                self._say("Stopping the control plane ...")
+            cp.stop()
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def _supervise(self, token: str) -> None:
+        """Restart children that die; meanwhile bring the system up step by step, each step
+        retried on the next tick while what it needs is not there yet."""
+        stage = "controlplane"
+        api_key = ""
+        demo: api.Demo | None = None
+        progress: api.Progress | None = None
+        cp_deadline = time.monotonic() + _CHILD_READY_TIMEOUT_S
+        say_waiting = True
+        next_probe = time.monotonic() + 2.0
+        while not self._stop.wait(_TICK_S):
             if not self._postgres_alive():
                 continue
-            child = self._child
-            if child is None or child.poll() is None:
-                continue
-            # A child that stayed up a minute earns a fresh backoff; one that keeps dying waits longer.
-            if time.monotonic() - started > 60:
-                failures = 0
-            pause = _RESTART_BACKOFF_S[min(failures, len(_RESTART_BACKOFF_S) - 1)]
-            log.warning(
-                "child_exited", child="controlplane", status=child.returncode, restart_in_s=pause
+            self._restart_dead(announced=stage == "up")
+            try:
+                if stage == "controlplane":
+                    if self._readyz():
+                        self._children["controlplane"].ever_ready = True
+                        stage = "key"
+                    elif time.monotonic() > cp_deadline:
+                        raise EngineStartError(
+                            f"the control plane was not ready within {_CHILD_READY_TIMEOUT_S:.0f}s "
+                            f"at {self.admin_url}/readyz; its log:\n"
+                            + self._children["controlplane"].log_tail()
+                        )
+                if stage == "key":
+                    api_key = api.ensure_api_key(self.opts.data_dir, self.admin_url, token)
+                    stage = "demo"
+                if stage == "demo":
+                    demo = self._apply_demo(token)
+                    if demo is not None and demo.deployments:
+                        self._say("Waiting for the demo's replicas:")
+                        progress = api.Progress(demo.deployments, self._say)
+                    stage = "replicas"
+                if stage == "replicas":
+                    done = progress is None or progress.poll(self.admin_url, token)
+                    if not done and time.monotonic() >= next_probe:
+                        # What the progress lines cannot see (a shard adopted by a restarted
+                        # agent reports no change) the endpoint answering proves.
+                        next_probe = time.monotonic() + 2.0
+                        done = self._demo_answers(api_key, demo)
+                    if done:
+                        stage = "gateway"
+                        if say_waiting:
+                            self._say("Waiting for the OpenAI endpoint to answer ...")
+                            say_waiting = False
+                if stage == "gateway":
+                    model = demo.models[0] if demo is not None and demo.models else None
+                    if api.probe_gateway(self.base_url, api_key, model):
+                        self._announce(token, api_key, demo)
+                        stage = "up"
+            except httpx.HTTPError as exc:
+                # The control plane restarting, or not listening yet: the next tick retries.
+                log.debug("up_step_retry", stage=stage, error=type(exc).__name__)
+
+    def _demo_answers(self, api_key: str, demo: api.Demo | None) -> bool:
+        model = demo.models[0] if demo is not None and demo.models else None
+        return api.probe_gateway(self.base_url, api_key, model)
+
+    def _apply_demo(self, token: str) -> api.Demo | None:
+        if not self.opts.demo:
+            return None
+        source = self.opts.demo_path or api.demo_file()
+        if not source.is_file():
+            raise ConfigError(
+                f"the demo file {source} does not exist (llmgw installed without its config/ "
+                "directory?); start with --no-demo and apply your own models",
+                field="--no-demo",
             )
-            failures += 1
-            if self._stop.wait(pause):
-                break
-            self._start_controlplane(url, token)
-            started = time.monotonic()
+        first = not (self.opts.data_dir / api.DEMO_MARKER).exists()
+        if first:
+            self._say(f"Applying the demo ({source}) ...")
+        return api.apply_demo(self.opts.data_dir, self.admin_url, token, source)
+
+    def _readyz(self) -> bool:
+        cp = self._children["controlplane"]
+        if cp.popen is not None and cp.popen.poll() is not None and not cp.ever_ready:
+            raise EngineStartError(
+                f"the control plane exited with status {cp.popen.returncode} while starting; "
+                f"its log ({cp.log_path}):\n{cp.log_tail()}"
+            )
+        r = httpx.get(f"{self.admin_url}/readyz", timeout=2.0)
+        return r.status_code == 200
+
+    def _restart_dead(self, *, announced: bool) -> None:
+        now = time.monotonic()
+        for child in self._children.values():
+            p = child.popen
+            if p is None or p.poll() is None:
+                continue
+            if child.restart_at is None:
+                if not announced and p.returncode == 2 and now - child.started_at < 30:
+                    # Status 2 is llmgw's "bad configuration": restarting cannot fix it.
+                    raise EngineStartError(
+                        f"the {child.name} exited with status 2 while starting; its log "
+                        f"({child.log_path}):\n{child.log_tail()}"
+                    )
+                # A child that stayed up a minute earns a fresh backoff.
+                if now - child.started_at > 60:
+                    child.failures = 0
+                pause = _RESTART_BACKOFF_S[min(child.failures, len(_RESTART_BACKOFF_S) - 1)]
+                child.failures += 1
+                child.restart_at = now + pause
+                log.warning(
+                    "child_exited", child=child.name, status=p.returncode, restart_in_s=pause
+                )
+                self._say(
+                    f"The {child.name} exited (status {p.returncode}); restarting it in "
+                    f"{pause:.0f}s (log: {child.log_path})"
+                )
+            elif now >= child.restart_at:
+                child.start()
+                procs.record_children(self.opts.data_dir, list(self._children.values()))
 
     def _postgres_alive(self) -> bool:
         """Restart a Postgres that died (a crash, the OOM killer, `kill -9`) on its port.
@@ -359,17 +451,48 @@ class AllInOne:
             return True
         return False
 
-    def _stop_child(self) -> None:
-        child = self._child
-        if child is None or child.poll() is not None:
-            return
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            log.warning("child_kill", child="controlplane", pid=child.pid)
-            child.kill()
-            child.wait()
+    # --- the announcement ---------------------------------------------------------------------
+
+    def _announce(self, token: str, api_key: str, demo: api.Demo | None) -> None:
+        assert self._pg is not None
+        # The URL without its password: up.json is read by scripts and pasted into tickets; the
+        # password stays in its own 0600 file, which the psql hint reads.
+        app = make_url(self._pg.app_url)
+        database_url = libpq_url(
+            URL.create(
+                app.drivername,
+                username=app.username,
+                host=app.host,
+                port=app.port,
+                database=app.database,
+            ).render_as_string(hide_password=False)
+        )
+        took_s = time.monotonic() - self._t0
+        models = demo.models if demo is not None else []
+        info = {
+            "base_url": self.base_url,
+            "api_key": api_key,
+            "admin_url": self.admin_url,
+            "admin_token": token,
+            "database_url": database_url,
+            "data_dir": str(self.opts.data_dir),
+            "models": models,
+            "pid": os.getpid(),
+        }
+        api.write_private(self.opts.data_dir / _UP_JSON, json.dumps(info, indent=2) + "\n")
+        log.info("up_ready", took_s=round(took_s, 2))
+        self._show(
+            api.announcement(
+                base_url=self.base_url,
+                api_key=api_key,
+                admin_url=self.admin_url,
+                admin_token=token,
+                data_dir=self.opts.data_dir,
+                psql=f"PGPASSWORD=$(cat {self._pg.app_password_path}) psql {database_url}",
+                models=models,
+                took_s=took_s,
+            )
+        )
 
 
 def _create_extensions(superuser_url: str) -> None:

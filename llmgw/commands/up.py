@@ -1,4 +1,4 @@
-"""`llmgw up`: the all-in-one on this machine (embedded Postgres + control plane)."""
+"""`llmgw up`: the all-in-one on this machine (llmgw/allinone.py does the work)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def up(
     data_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where Postgres, the admin token and up.json live. "
+            help="Where Postgres, the agent's state, tokens, the API key, logs and up.json live. "
             "Default: $XDG_DATA_HOME/llmgw (/var/lib/llmgw as root).",
         ),
     ] = None,
@@ -29,8 +29,7 @@ def up(
         typer.Option(
             min=1,
             max=65535,
-            help="Port of the public listener, the only one --host exposes. It will serve the "
-            "OpenAI API once the gateway lands; until then it answers health checks only. "
+            help="Port of the public listener (the OpenAI API), the only one --host exposes. "
             "Default: gateway.port (8080).",
         ),
     ] = None,
@@ -55,15 +54,27 @@ def up(
         bool,
         typer.Option(
             "--no-demo",
-            help="Reserved: the demo model on the simulator engine arrives with the node agent; "
-            "until then no demo is created either way.",
+            help="Do not apply the demo (config/demo.yaml: a model on the simulator engine with "
+            "two replicas and a LoRA adapter). It is applied on the first run only.",
         ),
     ] = False,
+    sim_gpus: Annotated[
+        int,
+        typer.Option(
+            "--sim-gpus",
+            min=0,
+            max=64,
+            help="Simulated GPUs (class sim), on a node of their own; this machine's real "
+            "GPUs (NVML), if any, are offered too, by a second agent. 0: real GPUs only.",
+        ),
+    ] = 8,
     config: ConfigOption = None,
 ) -> None:
-    """Run everything on this machine: a private Postgres, migrations, the control plane.
+    """Run everything on this machine: a private Postgres, the control plane, a node agent
+    with simulated GPUs, and a demo model; then print the OpenAI URL, an API key and examples.
 
-    Postgres and the control plane are supervised: either one that dies is restarted.
+    Every piece is supervised: one that dies is restarted alone. Ctrl-C stops engines, agent,
+    control plane and Postgres, in that order; the next run resumes with the same data and key.
     """
     from llmgw.allinone import AllInOne, UpOptions
     from llmgw.config import default_data_dir, load_settings
@@ -88,8 +99,9 @@ def up(
         log_level=settings.log.level,
         config_path=config,
         internal_host=settings.controlplane.internal_host,
+        sim_gpus=sim_gpus,
     )
-    aio = AllInOne(opts, say=lambda msg: typer.echo(msg, err=True))
+    aio = AllInOne(opts, say=lambda msg: typer.echo(msg, err=True), show=typer.echo)
     # SIGHUP too: a closed terminal or ssh session is a request to stop, not a reason to leave
     # Postgres and the control plane running without their supervisor.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -1,4 +1,5 @@
-"""`llmgw up` end to end: embedded Postgres + migrations + control plane as real processes."""
+"""`llmgw up --no-demo` end to end: embedded Postgres, migrations, the control plane and the
+agent as real processes (tests/up covers the demo, the printed examples and engines)."""
 
 from __future__ import annotations
 
@@ -137,17 +138,17 @@ def test_killed_up_leaves_no_orphans_and_the_next_run_works(pg_tmp_path: Path) -
             ).status_code
             == 201
         )
-        children = _pids_with(str(data_dir / "postgres")) | _pids_with(f"--port {admin_port}")
-        assert len(children) >= 2, (
-            children
-        )  # the postmaster (and its workers) and the control plane
+        # The postmaster (and its workers), the control plane and the agent.
+        children = _pids_with(str(data_dir)) | _pids_with(f"--port {admin_port}")
+        children.discard(proc.pid)
+        assert len(children) >= 3, children
     finally:
         proc.kill()  # no chance to clean up: SIGKILL
         proc.wait()
     wait_for(
-        lambda: not (_pids_with(str(data_dir / "postgres")) | _pids_with(f"--port {admin_port}")),
+        lambda: not (_pids_with(str(data_dir)) | _pids_with(f"--port {admin_port}")),
         timeout_s=30,
-        what="Postgres and the control plane to stop after their supervisor was killed",
+        what="Postgres, the control plane and the agent to stop after their supervisor was killed",
     )
     proc = _start(data_dir, port, admin_port, log)
     try:

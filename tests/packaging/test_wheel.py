@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.packaging, pytest.mark.timeout(120)]
 
 # What a build reads; copied out so the build writes its build/ and egg-info nowhere near the
 # checkout other work shares.
-_SOURCES = ("pyproject.toml", "setup.py", "README.md", "llmgw", "alembic")
+_SOURCES = ("pyproject.toml", "setup.py", "README.md", "llmgw", "alembic", "config")
 
 
 def _run(cmd: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> str:
@@ -92,9 +92,12 @@ def test_the_wheel_alone_migrates_and_serves(pg_server: object, empty_db_url: st
 
         where = _run(
             [str(python), "-c", "import llmgw, llmgw.controlplane.migrations as m; "
-             "print(llmgw.__file__); print(m.script_location())"],
+             "from llmgw.allinone_api import demo_file; "
+             "print(llmgw.__file__); print(m.script_location()); print(demo_file())"],
             cwd=work, env=env,
         ).split()  # fmt: skip
+        # `llmgw up`'s demo ships too: an installed llmgw brings it up without a checkout.
+        assert where[-1].endswith("_config/demo.yaml") and Path(where[-1]).is_file(), where
         assert all(str(ROOT) not in p and p.startswith(str(work / "venv")) for p in where), where
 
         _run([str(python), "-m", "llmgw", "db", "upgrade"], cwd=work, env=env)

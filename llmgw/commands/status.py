@@ -1,0 +1,277 @@
+"""`llmgw status [--json]`: the fleet on one screen: nodes, deployments (desired / ready /
+updated replicas, rollout progress), shards with state and reason, and the prefix-routing
+hit rate per model.
+
+It connects as `llmgw get` does (--url / LLMGW_ADMIN_URL, else the up.json of a local
+`llmgw up`). The hit rate comes from the control plane's own /metrics
+(``llmgw_prefix_decisions_total``): it counts the decisions of the one control plane
+answering, since its start; behind a load balancer each instance counts its own.
+
+What it must not do: write anything, or read more than a bounded number of pages.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from llmgw.commands._admin_client import (
+    AdminClient,
+    AdminConnection,
+    DataDirOption,
+    TokenOption,
+    UrlOption,
+    resolve_connection,
+)
+from llmgw.commands._common import exit_on_error
+
+__all__ = ["collect", "prefix_hit_rates", "render", "status"]
+
+_DECISIONS = "llmgw_prefix_decisions"
+
+
+def prefix_hit_rates(metrics_text: str) -> dict[str, dict[str, Any]]:
+    """Per model: routing decisions, prefix hits and their share, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != _DECISIONS:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            model = sample.labels.get("model", "")
+            row = out.setdefault(model, {"decisions": 0, "hits": 0, "precise": 0})
+            row["decisions"] += int(sample.value)
+            if sample.labels.get("outcome") == "hit":
+                row["hits"] += int(sample.value)
+            if sample.labels.get("method") == "precise":
+                row["precise"] += int(sample.value)
+    for row in out.values():
+        row["hit_rate"] = round(row["hits"] / row["decisions"], 4) if row["decisions"] else None
+    return out
+
+
+def _metrics(conn: AdminConnection) -> dict[str, dict[str, Any]] | None:
+    """None when the control plane publishes no routing decisions (an older one) or its
+    /metrics cannot be read."""
+    try:
+        r = httpx.get(
+            f"{conn.url}/metrics", headers={"Authorization": f"Bearer {conn.token}"}, timeout=10
+        )
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200 or _DECISIONS not in r.text:
+        return None
+    return prefix_hit_rates(r.text)
+
+
+def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
+    """Everything the screen shows, as the --json output."""
+    nodes = client.list_all("nodes")
+    deployments = client.list_all("deployments")
+    replicas = client.list_all("replicas")
+    shards = []
+    for rep in replicas:
+        for s in rep.get("shards") or []:
+            shards.append(
+                {
+                    "deployment": rep.get("deployment"),
+                    "replica": rep.get("id"),
+                    "replica_state": rep.get("state"),
+                    "stale": rep.get("stale"),
+                    "id": s.get("id"),
+                    "node": s.get("node"),
+                    "rank": s.get("rank"),
+                    "gpus": [g.get("mig_uuid") or g.get("index") for g in s.get("gpus") or []],
+                    "desired_state": s.get("desired_state"),
+                    "state": s.get("observed_state"),
+                    "reason": s.get("reason"),
+                    "restarts": s.get("restarts"),
+                }
+            )
+    out_deployments = []
+    for d in deployments:
+        st = d.get("status") or {}
+        desired = int(d.get("replicas") or 0)
+        updated = int(st.get("updated_replicas") or 0)
+        out_deployments.append(
+            {
+                "name": d.get("name"),
+                "model": d.get("model"),
+                "profile": d.get("profile"),
+                "state": d.get("state"),
+                "desired": desired,
+                "ready": int(st.get("ready_replicas") or 0),
+                "updated": updated,
+                "existing": int(st.get("replicas") or 0),
+                "rollout": _rollout(d, st),
+                "stalled": bool(st.get("stalled")),
+                "reason": st.get("reason") or "",
+            }
+        )
+    rates = _metrics(conn)
+    return {
+        "nodes": [
+            {
+                "name": n.get("name"),
+                "approval": n.get("approval_state"),
+                "pool": n.get("pool"),
+                "gpus": n.get("num_gpus"),
+                "free_gpus": n.get("free_gpus"),
+                "shards": n.get("num_shards"),
+                "cordoned": n.get("cordoned"),
+                "draining": n.get("draining"),
+                "last_sync_at": n.get("last_sync_at"),
+            }
+            for n in nodes
+        ],
+        "deployments": out_deployments,
+        "shards": shards,
+        "prefix_routing": rates,
+    }
+
+
+def _rollout(d: dict[str, Any], st: dict[str, Any]) -> str:
+    desired = int(d.get("replicas") or 0)
+    if d.get("state") == "suspended":
+        return "suspended"
+    if int(st.get("observed_generation") or 0) < int(d.get("generation") or 0):
+        return "pending (the reconciler has not seen the latest change)"
+    if st.get("stalled"):
+        return "stalled"
+    updated, ready = int(st.get("updated_replicas") or 0), int(st.get("ready_replicas") or 0)
+    existing = int(st.get("replicas") or 0)
+    if updated >= desired and ready >= desired and existing <= desired:
+        return "complete"
+    return f"progressing: {updated}/{desired} updated, {ready}/{desired} ready"
+
+
+def _age(ts: Any) -> str:
+    if not isinstance(ts, str):
+        return "never"
+    try:
+        at = datetime.fromisoformat(ts.replace("Z", "+00:00"))
+    except ValueError:
+        return ts
+    seconds = (datetime.now(UTC) - at.astimezone(UTC)).total_seconds()
+    return f"{max(seconds, 0):.0f}s ago"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers] + [["-" if v is None or v == "" else str(v) for v in r] for r in rows]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(headers))]
+    return "\n".join(
+        "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
+    )
+
+
+def _short(text: Any, width: int) -> str:
+    s = "" if text is None else str(text)
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def render(data: dict[str, Any]) -> str:
+    """The one screen for a person."""
+    parts = [f"NODES ({len(data['nodes'])})"]
+    parts.append(
+        _table(
+            ["NAME", "APPROVAL", "POOL", "GPUS FREE/ALL", "SHARDS", "STATE", "LAST SYNC"],
+            [
+                [
+                    n["name"],
+                    n["approval"],
+                    n["pool"],
+                    f"{n['free_gpus']}/{n['gpus']}",
+                    n["shards"],
+                    "draining" if n["draining"] else "cordoned" if n["cordoned"] else "ok",
+                    _age(n["last_sync_at"]),
+                ]
+                for n in data["nodes"]
+            ],
+        )
+    )
+    parts.append(f"\nDEPLOYMENTS ({len(data['deployments'])})")
+    parts.append(
+        _table(
+            ["NAME", "MODEL", "DESIRED", "READY", "UPDATED", "ROLLOUT", "REASON"],
+            [
+                [
+                    d["name"],
+                    d["model"],
+                    d["desired"],
+                    d["ready"],
+                    d["updated"],
+                    d["rollout"],
+                    _short(d["reason"], 60),
+                ]
+                for d in data["deployments"]
+            ],
+        )
+    )
+    parts.append(f"\nSHARDS ({len(data['shards'])})")
+    parts.append(
+        _table(
+            ["DEPLOYMENT", "REPLICA", "RANK", "NODE", "GPUS", "STATE", "RESTARTS", "REASON"],
+            [
+                [
+                    s["deployment"],
+                    _short(s["replica"], 9)
+                    + (" (stale)" if s["stale"] else "")
+                    + ("" if s["replica_state"] == "active" else f" ({s['replica_state']})"),
+                    s["rank"],
+                    s["node"],
+                    ",".join(str(g) for g in s["gpus"]),
+                    s["state"]
+                    if s["desired_state"] in ("running", None)
+                    else f"{s['state']} (want {s['desired_state']})",
+                    s["restarts"],
+                    _short(s["reason"], 50),
+                ]
+                for s in data["shards"]
+            ],
+        )
+    )
+    parts.append("\nPREFIX ROUTING (this control plane, since it started)")
+    rates = data["prefix_routing"]
+    if rates is None:
+        parts.append("n/a: this control plane publishes no llmgw_prefix_decisions_total")
+    elif not rates:
+        parts.append("no requests routed yet")
+    else:
+        parts.append(
+            _table(
+                ["MODEL", "DECISIONS", "PREFIX HITS", "HIT RATE", "PRECISE"],
+                [
+                    [
+                        m,
+                        r["decisions"],
+                        r["hits"],
+                        "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%",
+                        r["precise"],
+                    ]
+                    for m, r in sorted(rates.items())
+                ],
+            )
+        )
+    return "\n".join(parts)
+
+
+@exit_on_error
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    url: UrlOption = None,
+    admin_token: TokenOption = None,
+    data_dir: DataDirOption = None,
+) -> None:
+    """Show the fleet on one screen: nodes, deployments and rollouts, shards and why they are
+    not ready, and the prefix-routing hit rate per model."""
+    conn = resolve_connection(url, admin_token, data_dir)
+    with AdminClient(conn) as client:
+        data = collect(client, conn)
+    typer.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else render(data))

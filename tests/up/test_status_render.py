@@ -1,0 +1,81 @@
+"""`llmgw status`'s pure parts: the hit rate read from Prometheus text, and the screen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.commands.status import prefix_hit_rates, render
+
+_METRICS = """\
+# HELP llmgw_prefix_decisions_total Routing decisions by method and outcome.
+# TYPE llmgw_prefix_decisions_total counter
+llmgw_prefix_decisions_total{method="precise",model="demo",outcome="hit"} 6.0
+llmgw_prefix_decisions_total{method="precise",model="demo",outcome="miss"} 2.0
+llmgw_prefix_decisions_total{method="approximate",model="demo",outcome="miss"} 2.0
+llmgw_prefix_decisions_total{method="least_loaded",model="other",outcome="none"} 3.0
+# HELP llmgw_prefix_decisions_created Routing decisions by method and outcome.
+# TYPE llmgw_prefix_decisions_created gauge
+llmgw_prefix_decisions_created{method="precise",model="demo",outcome="hit"} 1.7e9
+"""
+
+
+def test_hit_rate_per_model_from_the_decisions_counter() -> None:
+    rates = prefix_hit_rates(_METRICS)
+    assert rates["demo"] == {"decisions": 10, "hits": 6, "precise": 8, "hit_rate": 0.6}
+    assert rates["other"] == {"decisions": 3, "hits": 0, "precise": 0, "hit_rate": 0.0}
+    assert prefix_hit_rates("# nothing\n") == {}
+
+
+def _data(rates: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "nodes": [
+            {
+                "name": "gpu-1",
+                "approval": "approved",
+                "pool": "default",
+                "gpus": 8,
+                "free_gpus": 6,
+                "shards": 2,
+                "cordoned": False,
+                "draining": False,
+                "last_sync_at": None,
+            }
+        ],
+        "deployments": [
+            {
+                "name": "demo",
+                "model": "demo",
+                "desired": 2,
+                "ready": 1,
+                "updated": 2,
+                "rollout": "progressing: 2/2 updated, 1/2 ready",
+                "reason": "",
+            }
+        ],
+        "shards": [
+            {
+                "deployment": "demo",
+                "replica": "0f3c9a2e-aaaa",
+                "replica_state": "active",
+                "stale": False,
+                "rank": 0,
+                "node": "gpu-1",
+                "gpus": [3],
+                "desired_state": "running",
+                "state": "failed",
+                "reason": "exit 1: CUDA out of memory",
+                "restarts": 4,
+            }
+        ],
+        "prefix_routing": rates,
+    }
+
+
+def test_the_screen_names_what_is_wrong_and_where() -> None:
+    screen = render(_data({"demo": {"decisions": 10, "hits": 6, "precise": 8, "hit_rate": 0.6}}))
+    assert "progressing: 2/2 updated, 1/2 ready" in screen
+    assert "6/8" in screen and "never" in screen
+    assert "failed" in screen and "CUDA out of memory" in screen and "gpu-1" in screen
+    assert "60.0%" in screen
+    assert "n/a" in render(_data(None))
+    assert "no requests routed yet" in render(_data({}))
