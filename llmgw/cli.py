@@ -21,16 +21,24 @@ app.command("controlplane")(controlplane.controlplane)
 app.add_typer(kv.app, name="kv")
 app.add_typer(engines.app, name="engines")
 app.command("get")(get.get)
-# Declarative fleet admin against the admin API (llmgw/commands/{apply,nodes,deployments,tokens}.py).
+# One screen of the whole fleet (llmgw/commands/status.py).
+from llmgw.commands import status as _status  # noqa: E402
+
+app.command("status")(_status.status)
+# Declarative fleet admin against the admin API (llmgw/commands/{apply,nodes,deployments,tokens,keys,usage}.py).
 from llmgw.commands import apply as _apply  # noqa: E402
 from llmgw.commands import deployments as _deployments  # noqa: E402
+from llmgw.commands import keys as _keys  # noqa: E402
 from llmgw.commands import nodes as _nodes  # noqa: E402
 from llmgw.commands import tokens as _tokens  # noqa: E402
+from llmgw.commands import usage as _usage  # noqa: E402
 
 app.command("apply")(_apply.apply)
 app.add_typer(_nodes.app, name="nodes")
 app.add_typer(_deployments.app, name="deployments")
 app.add_typer(_tokens.app, name="tokens")
+app.add_typer(_keys.app, name="keys")
+app.command("usage")(_usage.usage)
 app.command(
     "simengine",
     context_settings={"allow_extra_args": False},

@@ -199,6 +199,85 @@ class ControlPlaneSettings(_Section):
 class GatewaySettings(_Section):
     host: str = Field(default="127.0.0.1", description="Address of the public OpenAI endpoint.")
     port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        le=256 * 1024 * 1024,
+        description="Largest OpenAI request body read, after the key is checked; a larger "
+        "one is refused with 413 before it is buffered.",
+    )
+    routing_policy: Literal[
+        "auto", "precise", "approximate", "least_loaded", "round_robin", "random"
+    ] = Field(
+        default="auto",
+        description="How a replica is chosen. auto: precise prefix scoring where the index "
+        "is warm, else the approximate tree, else least-loaded; the others force one policy "
+        "(for benchmarks and for isolating a routing problem).",
+    )
+    routes_refresh_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=1.0,
+        description="Period of the route table's re-read (NOTIFY wakes it earlier).",
+    )
+    load_scrape_s: float = Field(
+        default=0.5, gt=0, le=30, description="Period of the engines' /metrics scrape."
+    )
+    load_slack: int = Field(
+        default=4,
+        ge=0,
+        description="A prefix hit may go to a replica whose load (running + waiting + this "
+        "gateway's in-flight) exceeds the least-loaded candidate's by at most this much.",
+    )
+    tokenize_timeout_s: float = Field(
+        default=0.02,
+        gt=0,
+        le=5,
+        description="Budget of the /tokenize call of precise routing; past it the request "
+        "is routed by the approximate tree.",
+    )
+    tokenize_concurrency: int = Field(
+        default=64, ge=1, description="Tokenize calls in flight at most; more skip precise."
+    )
+    precise_min_blocks: int = Field(
+        default=4,
+        ge=1,
+        description="Prompts estimated (by characters) shorter than this many KV blocks "
+        "skip tokenizing: a short prompt's hit saves less than the call costs.",
+    )
+    approx_max_entries: int = Field(
+        default=200_000,
+        ge=1000,
+        description="Chunk entries of the approximate prefix tree, all models together "
+        "(LRU beyond it).",
+    )
+    approx_ttl_s: float = Field(
+        default=600.0, gt=0, description="Age past which the approximate tree forgets a chunk."
+    )
+    default_max_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Completion tokens reserved against a key's limits when a request "
+        "sets no max_tokens.",
+    )
+    retry_budget_ratio: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Retries allowed per request served (a token bucket), so a failing fleet "
+        "is not hit twice as hard.",
+    )
+    eject_after_failures: int = Field(
+        default=3, ge=1, description="Consecutive upstream failures that eject a replica."
+    )
+    eject_for_s: float = Field(default=10.0, gt=0, description="How long an ejection lasts.")
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest silence of an upstream before a 502."
+    )
+    upstream_pool_size: int = Field(
+        default=512, ge=1, description="Open connections to engines at most (all replicas)."
+    )
 
 
 class AgentSettings(_Section):
@@ -246,6 +325,11 @@ class AgentSettings(_Section):
 
     controlplane_ca_file: str = Field(
         default="", description="CA bundle for the control plane's certificate. Empty: system CAs."
+    )
+    metrics_token_file: str = Field(
+        default="",
+        description="File holding the bearer token Prometheus sends to scrape engines' /metrics "
+        "through the proxy (GET /shards/<id>/metrics only). Empty: only each shard's own key.",
     )
     allow_insecure_http: bool = Field(
         default=False,

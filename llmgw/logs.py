@@ -40,12 +40,16 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     )
     structlog.configure(
         processors=[
+            # The level is the stdlib logger's, checked first on every call: a reload (SIGHUP)
+            # that lowers it reaches loggers already in use, which a level baked into cached
+            # filtering loggers would not.
+            structlog.stdlib.filter_by_level,
             *shared,
             structlog.processors.StackInfoRenderer(),
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
     formatter = structlog.stdlib.ProcessorFormatter(

@@ -97,6 +97,29 @@ def test_reconcile_core_imports_no_io(module: str) -> None:
     assert offenders == []
 
 
+# The gateway's router core (issue #11) shares its package with the request path's I/O shell
+# (app, upstream, routes): listed module by module. It may use llmgw.kv (hashing, the index).
+GATEWAY_PURE = ["approx", "router"]
+
+
+@pytest.mark.parametrize("module", GATEWAY_PURE)
+def test_gateway_router_core_imports_no_io(module: str) -> None:
+    path = ROOT / "controlplane" / "gateway" / f"{module}.py"
+    offenders: list[str] = []
+    for name in _imports(path):
+        prefix, _, leaf = name.rpartition(".")
+        if (prefix == "llmgw.controlplane.gateway" and leaf in GATEWAY_PURE) or (
+            name == "llmgw.kv" or name.startswith("llmgw.kv.") or name in ALLOWED_LLMGW
+        ):
+            continue
+        top = name.split(".")[0]
+        if top == "llmgw" or top in FORBIDDEN or any(name.startswith(f + ".") for f in FORBIDDEN):
+            offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    if _reads_environment(path):
+        offenders.append(f"{path.relative_to(ROOT)} reads os.environ")
+    assert offenders == []
+
+
 def test_the_check_catches_an_offender(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nimport zmq\nx = os.environ['A']\n")

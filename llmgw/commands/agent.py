@@ -46,6 +46,14 @@ def agent(
     listen_port: Annotated[
         int | None, typer.Option("--listen-port", help="/healthz and /metrics port (0: any).")
     ] = None,
+    stop_engines_on_exit: Annotated[
+        bool,
+        typer.Option(
+            "--stop-engines-on-exit",
+            help="Stop every engine before exiting (what `llmgw up` uses). Default: engines "
+            "keep running and the next agent adopts them.",
+        ),
+    ] = False,
 ) -> None:
     """Run the node agent: register, sync, supervise engines."""
     import asyncio
@@ -74,7 +82,10 @@ def agent(
     root = (
         Path(settings.agent.state_dir) if settings.agent.state_dir else default_data_dir() / "agent"
     )
-    node_agent = Agent(settings.agent, AgentOptions(state_dir=root))
+    node_agent = Agent(
+        settings.agent,
+        AgentOptions(state_dir=root, stop_engines_on_exit=stop_engines_on_exit),
+    )
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -129,6 +129,16 @@ _TABLES: dict[str, list[_Column]] = {
         ("ID", lambda i: i.get("id")),
         ("MODELS", lambda i: ",".join(i.get("allowed_models") or []) or "*"),
         ("RPM", lambda i: i.get("rate_limit_rpm") or "-"),
+        ("TPM", lambda i: i.get("rate_limit_tpm") or "-"),
+        (
+            "QUOTA",
+            lambda i: (
+                f"{i['token_quota']}/{i['quota_period']}"
+                if i.get("token_quota") is not None
+                else "-"
+            ),
+        ),
+        ("CONCURRENCY", lambda i: i.get("concurrency_limit") or "-"),
         ("EXPIRES", lambda i: i.get("expires_at") or "-"),
         ("DISABLED", lambda i: i.get("disabled")),
     ],

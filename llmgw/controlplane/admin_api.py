@@ -2,9 +2,9 @@
 
 The routers live in ``llmgw.controlplane.admin``: models, profiles and deployments
 (desired state), nodes, bootstrap tokens, replicas (read-only), the reconciler's actions
-(read-only), GPU classes, and ``apply`` (many documents, all or nothing). What they share
-(authentication, the per-request transaction, pages, audited writes that wake the
-reconciler) is ``llmgw.controlplane.admin.common``.
+(read-only), GPU classes, the gateway's API keys and usage, and ``apply`` (many documents,
+all or nothing). What they share (authentication, the per-request transaction, pages,
+audited writes that wake the reconciler) is ``llmgw.controlplane.admin.common``.
 
 Authentication is the admin bearer token, compared in constant time; ``AdminAuth`` checks
 it before the body is read, and the router's dependency checks it again, so a route
@@ -20,13 +20,17 @@ from fastapi import APIRouter, Depends
 from llmgw.controlplane.admin import (
     actions,
     apply,
+    debug_kv,
     deployments,
+    discovery,
     gpu_classes,
+    keys,
     models,
     nodes,
     profiles,
     replicas,
     tokens,
+    usage,
 )
 from llmgw.controlplane.admin.common import DEFAULT_PAGE, ERRORS, MAX_PAGE, require_admin
 
@@ -45,5 +49,9 @@ for _module in (
     actions,
     gpu_classes,
     apply,
+    debug_kv,
+    keys,
+    usage,
+    discovery,
 ):
     admin_router.include_router(_module.router)

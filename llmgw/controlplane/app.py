@@ -217,11 +217,17 @@ def _internal_error(request_id: str) -> bytes:
     )
 
 
-def create_app(settings: ControlPlaneSettings, *, instance_id: str | None = None) -> FastAPI:
+def create_app(
+    settings: ControlPlaneSettings,
+    *,
+    instance_id: str | None = None,
+    kv_intake: KvIntake | None = None,
+) -> FastAPI:
     """Build the internal app. The database URL and admin token must be set.
 
     Its lifespan runs the reconcile loop (``controlplane.reconcile.enabled``), which
-    passes only while this process holds the leader lock.
+    passes only while this process holds the leader lock. ``kv_intake`` holds this process's
+    prefix index, fed by agents' KV deltas; pass the one the gateway's router reads.
     """
     if not settings.database_url:
         raise ConfigError(
@@ -342,7 +348,7 @@ def create_app(settings: ControlPlaneSettings, *, instance_id: str | None = None
         sessions=sessions,
         instance=instance,
         registry=metrics,
-        intake=KvIntake(),
+        intake=kv_intake if kv_intake is not None else KvIntake(),
     )
     return app
 

@@ -11,7 +11,8 @@ Sockets are bound here, before any server starts: a taken port is a
 SIGTERM or SIGINT stops every server gracefully (stop accepting, let open
 requests finish within ``grace_s``, run lifespan shutdown); a second SIGINT
 cuts open requests. When any server stops on its own, the others are stopped
-too: a control plane with half its listeners is not one.
+too: a control plane with half its listeners is not one. SIGHUP calls ``on_reload``
+(the command's config reload) and nothing else: a reload never stops a listener.
 
 What it must not do: install uvicorn's per-server signal handlers (each would
 replace the previous one, so only the last server would hear SIGTERM).
@@ -23,16 +24,18 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import uvicorn
 from starlette.types import ASGIApp
 
+from llmgw.config import Settings
+from llmgw.controlplane.reconcile.loop import Reconciler
 from llmgw.errors import ConfigError
-from llmgw.logs import get_logger
+from llmgw.logs import configure_logging, get_logger
 
-__all__ = ["Listener", "bind", "serve"]
+__all__ = ["ConfigReload", "Listener", "bind", "serve"]
 
 log = get_logger("llmgw.controlplane.server")
 
@@ -53,6 +56,105 @@ class _Server(uvicorn.Server):
         yield
 
 
+# What a reload applies while serving; every other setting is read once, at start.
+_LIVE = (
+    "log.level",
+    "controlplane.reconcile.tick_s",
+    "controlplane.reconcile.sync_period_s",
+    "controlplane.reconcile.node_grace_s",
+    "controlplane.reconcile.drain_timeout_s",
+    "controlplane.reconcile.crash_loop_restarts",
+)
+
+
+def _flatten(settings: Settings) -> dict[str, object]:
+    out: dict[str, object] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = value
+
+    walk("", settings.model_dump(mode="json"))
+    return out
+
+
+class ConfigReload:
+    """SIGHUP: re-read the settings from the sources they came from (the same ``--config``
+    file, the environment the process started with, the same command-line flags) and apply
+    what can change while serving: the log level and the reconcile loop's period and rules
+    (tick, sync period, node grace, drain timeout, crash-loop restarts).
+
+    A reload whose configuration is invalid (a bad value, a grace period shorter than 5 sync
+    periods, a TOML syntax error) is refused as a whole: the process keeps running on what it
+    has and logs why, naming the key, never a secret's value (``load_settings`` hides them).
+    Changes that need a restart (addresses, the database, the admin token, body caps, which
+    middleware holds from the start) are logged by key name only, and not applied.
+
+    Log level: raising it (info -> warning) takes effect everywhere, through the stdlib root
+    logger's level. Lowering it below the level the process started with (info -> debug)
+    reaches only loggers not used yet: ``llmgw.logs`` caches structlog loggers with the
+    start level's filter baked in.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[], Settings],
+        current: Settings,
+        *,
+        reconciler: Reconciler | None,
+    ) -> None:
+        self._load = load
+        self._current = current
+        self._reconciler = reconciler
+
+    def __call__(self) -> None:
+        # The one conversion create_app uses, so a reload accepts exactly what a start does.
+        from llmgw.controlplane.app import _plan_settings
+
+        try:
+            new = self._load()
+            plan = _plan_settings(new.controlplane.reconcile)
+        except ConfigError as exc:
+            log.error("config_reload_refused", field=exc.field, error=exc.message)
+            return
+        old_flat, new_flat = _flatten(self._current), _flatten(new)
+        changed = {
+            key: {"from": old_flat.get(key), "to": new_flat[key]}
+            for key in _LIVE
+            if old_flat.get(key) != new_flat.get(key)
+        }
+        needs_restart = sorted(
+            key
+            for key in new_flat.keys() | old_flat.keys()
+            if key not in _LIVE
+            # The agent's and `llmgw up`'s sections may share the file; this process ignores them.
+            and key.startswith(("log.", "controlplane.", "gateway."))
+            and old_flat.get(key) != new_flat.get(key)
+        )
+        if "log.level" in changed:
+            configure_logging(new.log.level, json=self._current.log.json_lines)
+        if self._reconciler is not None:
+            self._reconciler.reconfigure(
+                plan_settings=plan, tick_s=new.controlplane.reconcile.tick_s
+            )
+        # Only live keys move to the new values: the rest stays what the process runs on, so
+        # the next reload still reports them as needing a restart.
+        self._current = self._current.model_copy(
+            update={
+                "log": self._current.log.model_copy(update={"level": new.log.level}),
+                "controlplane": self._current.controlplane.model_copy(
+                    update={"reconcile": new.controlplane.reconcile}
+                ),
+            }
+        )
+        log.warning(  # at warning: a reload to a quieter level must still say it happened
+            "config_reloaded", changed=changed, needs_restart=needs_restart
+        )
+
+
 def bind(host: str, port: int, *, listener: str, setting: str) -> socket.socket:
     """A listening-ready socket on ``host:port``; ConfigError naming ``setting`` if it cannot be."""
     try:
@@ -63,8 +165,11 @@ def bind(host: str, port: int, *, listener: str, setting: str) -> socket.socket:
             "to an address of this machine",
             field=setting,
         ) from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, addr = infos[0]
+    # The protocol must be IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted
+    # connections only then, and without it every response waits out Nagle plus the
+    # client's delayed ACK (~40 ms on Linux).
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
@@ -79,8 +184,14 @@ def bind(host: str, port: int, *, listener: str, setting: str) -> socket.socket:
     return sock
 
 
-async def serve(listeners: Sequence[Listener], *, grace_s: float) -> None:
-    """Serve every listener until SIGTERM/SIGINT or until one of them stops."""
+async def serve(
+    listeners: Sequence[Listener],
+    *,
+    grace_s: float,
+    on_reload: Callable[[], None] | None = None,
+) -> None:
+    """Serve every listener until SIGTERM/SIGINT or until one of them stops; SIGHUP runs
+    ``on_reload`` (which must not raise: a bad config is its to log and refuse)."""
     sockets = []
     try:
         for lst in listeners:
@@ -112,6 +223,8 @@ async def serve(listeners: Sequence[Listener], *, grace_s: float) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop, sig)
+    if on_reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_reload)
     tasks = [
         asyncio.create_task(srv.serve(sockets=[sock]), name=f"listener-{lst.name}")
         for srv, sock, lst in zip(servers, sockets, listeners, strict=True)
@@ -128,7 +241,7 @@ async def serve(listeners: Sequence[Listener], *, grace_s: float) -> None:
         if failures:
             raise failures[0]
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         for s in sockets:
             s.close()

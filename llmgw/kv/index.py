@@ -86,6 +86,23 @@ class PrefixIndex:
     def is_partial(self, shard: str) -> bool:
         return shard in self._partial
 
+    def blocks(self, shard: str) -> dict[str, list[int]]:
+        """The shard's block hashes per medium, sorted: for debugging and comparing views.
+
+        O(entries of the shard's model): a diagnostic, never on the routing path. Dead bits of
+        retired slots never collide with a live slot's bit, so the walk is exact.
+        """
+        model = self._model_of.get(shard)
+        if model is None:
+            return {}
+        m = self._models[model]
+        bit = 1 << m.slot_of[shard]
+        out = {
+            medium: sorted(h for h, mask in table.items() if mask & bit)
+            for medium, table in m.media.items()
+        }
+        return {medium: hashes for medium, hashes in out.items() if hashes}
+
     # --- ingest -------------------------------------------------------------------------------
 
     def _slot(self, model: str, shard: str) -> tuple[_Model, int]:

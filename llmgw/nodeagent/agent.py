@@ -79,6 +79,9 @@ class AgentOptions:
     state_dir: Path
     bootstrap_token: str = ""
     environ: Mapping[str, str] | None = None
+    # `llmgw up` only: its Ctrl-C must leave no engine behind (issue [up]); a fleet agent
+    # keeps them running across its own restarts (design §4).
+    stop_engines_on_exit: bool = False
 
 
 class _KvHooks:
@@ -115,6 +118,7 @@ class Agent:
         )
         self.state = AgentState(options.state_dir)
         self._token = options.bootstrap_token
+        self._stop_engines_on_exit = options.stop_engines_on_exit
         self.node_name = settings.node_name or socket.gethostname()
         self.mgmt_addr = settings.mgmt_addr or default_mgmt_addr(settings.controlplane_url)
         if settings.engine_bind_addr not in ("127.0.0.1", "::1", "localhost") and not (
@@ -259,7 +263,14 @@ class Agent:
     def _proxy_url(self, shard_id: str) -> str:
         """Where the gateway reaches a ready shard: the agent's authenticating proxy
         (design §6), http://<mgmt_addr>:<proxy port>/shards/<shard_id>."""
-        if self.proxy is None or shard_id not in self._routes:
+        if self.proxy is None:
+            return ""
+        # Before the first desired set after a restart the proxy holds no keys (they come with
+        # it), yet adopted engines are ready: reporting no URL then takes every engine of this
+        # node out of the gateways' routes until the next sync (issue #12's fault suite saw a
+        # sync period of 503s per agent restart). The routes follow within moments of that
+        # sync's reply; until then the proxy's 404 not-found makes a gateway retry elsewhere.
+        if shard_id not in self._routes and self.supervisor.desired is not None:
             return ""
         return f"http://{host_port(self.mgmt_addr, self.proxy_port)}/shards/{shard_id}"
 
@@ -312,7 +323,7 @@ class Agent:
             return f"Bearer {ident.node_credential}" if ident is not None else ""
 
         self.relay = KvRelay(
-            state_dir=self.state.root / "kv",
+            state_dir=self.state.root,  # the relay keeps its mirrors in <root>/kv/
             auth_header=auth,
             verify_tls=self.settings.controlplane_ca_file or True,
             registry=self.metrics.registry,
@@ -328,8 +339,30 @@ class Agent:
         except ImportError:
             log.warning("engine_proxy_unavailable")
             return
-        self.proxy = EngineProxy(self.mgmt_addr, self.settings.proxy_port)
+        self.proxy = EngineProxy(
+            self.mgmt_addr, self.settings.proxy_port, metrics_token=self._metrics_token()
+        )
         self.proxy_port = await self.proxy.start()
+
+    def _metrics_token(self) -> str:
+        path = self.settings.metrics_token_file
+        if not path:
+            return ""
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"agent.metrics_token_file {path!r} cannot be read ({type(exc).__name__}); "
+                "create it (one line, the token Prometheus sends) or leave the setting empty",
+                field="agent.metrics_token_file",
+            ) from None
+        if len(token) < 16:
+            raise ConfigError(
+                f"agent.metrics_token_file {path!r} holds fewer than 16 characters; a short "
+                "token can be guessed",
+                field="agent.metrics_token_file",
+            )
+        return token
 
     def health(self) -> dict[str, Any]:
         sync = self.sync
@@ -424,6 +457,8 @@ class Agent:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._stop_engines_on_exit:
+                await self._stop_all_engines()
             await self.endpoints.stop()
             if self.proxy is not None:
                 await self.proxy.stop()
@@ -431,6 +466,26 @@ class Agent:
             await self.client.close()
             self.gpu_source.close()
             log.info("agent_stopped", engines_left_running=len(self.supervisor.runtimes))
+
+    async def _stop_all_engines(self) -> None:
+        """Stop every shard (wrapper, engine, marked leftovers) before exiting: `llmgw up`'s
+        Ctrl-C stops engines first, then the agent (issue [up])."""
+        # Records are kept ("restart", not "forget"): the next start brings the same shards
+        # back at once, and the report below says each one exited.
+        for rt in list(self.supervisor.runtimes.values()):
+            if rt.phase != "stopping":
+                self.supervisor._begin_stop(rt, then="restart")
+        await self.supervisor.idle()
+        for rt in self.supervisor.runtimes.values():
+            rt.exit_reason = "stopped: its agent exited (--stop-engines-on-exit)"
+        log.info("engines_stopped_on_exit")
+        # Without a last report the control plane would show them ready, and gateways would
+        # route to engines that are gone until the node's grace ran out.
+        if self.sync is not None:
+            try:
+                await asyncio.wait_for(self.sync.round(apply=False), timeout=5)
+            except Exception as exc:  # best effort: the node's grace covers a lost report
+                log.warning("final_report_failed", error=type(exc).__name__)
 
 
 def load_inventory_file_empty() -> Any:

@@ -47,7 +47,7 @@ from llmgw.kv import (
 )
 from llmgw.logs import get_logger
 from llmgw.nodeagent.kvrelay_metrics import RelayMetrics
-from llmgw.nodeagent.kvrelay_state import load_mirror, save_mirror, state_path
+from llmgw.nodeagent.kvrelay_state import load_mirror, move_legacy_state, save_mirror, state_path
 
 __all__ = ["FrameFilter", "IngestThread", "WatchSpec"]
 
@@ -131,6 +131,7 @@ class IngestThread:
 
     def start(self) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
+        move_legacy_state(self._dir)
         self._thread.start()
 
     def command(self, name: str, arg: Any, *, wait: bool = False, timeout_s: float = 10) -> None:

@@ -1,4 +1,4 @@
-"""The KV relay's persisted mirrors: one file per shard in ``<state_dir>/kv/``.
+"""The KV relay's persisted mirrors: one file per shard in ``<agent state dir>/kv/``.
 
 A file holds the mirror's ``dump()`` and the engine process it describes (the supervisor's
 ``engine_generation``): a restarted agent reloads it only for the same engine process, and
@@ -18,7 +18,7 @@ import msgpack
 from llmgw.kv import BlockMirror, KVError
 from llmgw.logs import get_logger
 
-__all__ = ["load_mirror", "save_mirror", "state_path"]
+__all__ = ["load_mirror", "move_legacy_state", "save_mirror", "state_path"]
 
 _log = get_logger(__name__)
 _STATE_VERSION = 1
@@ -27,6 +27,35 @@ _STATE_VERSION = 1
 def state_path(directory: Path, shard_id: str) -> Path:
     # Quoted: shard ids may hold characters a file name must not ("/").
     return directory / (urllib.parse.quote(shard_id, safe="") + ".mirror")
+
+
+def move_legacy_state(directory: Path) -> int:
+    """Move mirrors an older agent kept in ``<directory>/kv/`` up into ``directory``; returns
+    how many. Agents up to this change gave the relay ``<state>/kv`` and the relay added its
+    own ``kv/``: without the move, the first agent restarted after an upgrade would find no
+    mirror and leave every engine's view partial until the engine restarts. A quoted shard id
+    never names a directory here (every file ends in ``.mirror``), so ``kv/`` is only legacy.
+    A mirror already in ``directory`` is newer and wins."""
+    legacy = directory / "kv"
+    if not legacy.is_dir():
+        return 0
+    moved = 0
+    for old in legacy.glob("*.mirror"):
+        new = directory / old.name
+        if new.exists():
+            old.unlink(missing_ok=True)
+            continue
+        os.replace(old, new)
+        moved += 1
+    for leftover in legacy.glob("*.tmp"):  # a write cut short: the .mirror beside it is whole
+        leftover.unlink(missing_ok=True)
+    try:
+        legacy.rmdir()
+    except OSError as exc:
+        _log.warning("kv_legacy_state_dir_kept", path=str(legacy), error=exc.strerror)
+    if moved:
+        _log.info("kv_legacy_state_moved", mirrors=moved, to=str(directory))
+    return moved
 
 
 def save_mirror(

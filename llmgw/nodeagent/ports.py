@@ -41,6 +41,18 @@ class PortAllocator:
     def release(self, ports: Iterable[int]) -> None:
         self._held.difference_update(ports)
 
+    def renew(self, port: int) -> int:
+        """``port`` again if nothing is bound to it, else a fresh one (``port`` released).
+
+        For an engine's own listeners on a restart: a crashed engine freed them, but another
+        process may have taken one since, and an engine started there would crash-loop on
+        "address already in use" for as long as that process holds it.
+        """
+        if _bindable(port):
+            return port
+        self.release([port])
+        return self.allocate()
+
     def allocate(self) -> int:
         """A port no shard holds and nothing is bound to now; PortsExhausted when none is."""
         size = self._end - self._start + 1

@@ -114,6 +114,7 @@ class EngineProxy:
         upstream_host: str = "127.0.0.1",
         connect_timeout_s: float = 5.0,
         read_timeout_s: float | None = 600.0,
+        metrics_token: str = "",
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
@@ -126,6 +127,9 @@ class EngineProxy:
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
+        # Prometheus scrapes every engine with one credential (http_sd has no per-target
+        # secrets): accepted for GET /metrics only, never for anything that runs the model.
+        self._metrics_auth = f"Bearer {metrics_token}".encode() if metrics_token else b""
         self._routes: dict[str, ProxyRoute] = {}
         self._runner: web.ServerRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -170,7 +174,13 @@ class EngineProxy:
             return _error(405, "method-not-allowed", f"method {request.method} is not proxied")
         presented = request.headers.get("Authorization", "").encode("utf-8", "replace")
         expected = f"Bearer {route.api_key}".encode()
-        if not hmac.compare_digest(presented, expected):
+        scrape = (
+            rest == "/metrics"
+            and request.method == "GET"
+            and bool(self._metrics_auth)
+            and hmac.compare_digest(presented, self._metrics_auth)
+        )
+        if not scrape and not hmac.compare_digest(presented, expected):
             return _error(401, "unauthorized", f"missing or wrong API key for shard {shard}")
         declared = request.content_length
         if declared is not None and declared > self.max_body_bytes:
@@ -220,9 +230,16 @@ class EngineProxy:
             )
         except TimeoutError:
             return _error(504, "upstream-timeout", f"engine of shard {shard} did not answer")
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:
+            # Never connected: the engine never saw the request, so a gateway may send it to
+            # another replica (it retries only on this code).
             _log.warning("engine_proxy_upstream_failed", shard=shard, error=type(exc).__name__)
             return _error(502, "upstream-unavailable", f"engine of shard {shard} is unreachable")
+        except aiohttp.ClientError as exc:
+            # Connected, then lost: the engine may have started the work, so this must not
+            # read as "never reached" (a retry elsewhere could run the request twice).
+            _log.warning("engine_proxy_upstream_failed", shard=shard, error=type(exc).__name__)
+            return _error(502, "upstream-failed", f"engine of shard {shard} failed mid-request")
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():

@@ -421,11 +421,20 @@ class Supervisor:
         return (self.desired or {}).get(shard_id)
 
     def _ports_for(self, p: PreparedShard, prev: ShardRecord | None) -> LaunchPorts:
-        http = prev.http_port if prev and prev.http_port else self.ports.allocate()
+        # The engine binds http and replay itself: kept when still free, renewed when another
+        # process took them. The KV events port is the agent's own SUB: always kept, so an
+        # engine's PUB meets the mirror it had.
+        http = (
+            self.ports.renew(prev.http_port) if prev and prev.http_port else self.ports.allocate()
+        )
         kv = rp = 0
         if p.needs_kv_ports:
             kv = prev.kv_events_port if prev and prev.kv_events_port else self.ports.allocate()
-            rp = prev.kv_replay_port if prev and prev.kv_replay_port else self.ports.allocate()
+            rp = (
+                self.ports.renew(prev.kv_replay_port)
+                if prev and prev.kv_replay_port
+                else self.ports.allocate()
+            )
         return LaunchPorts(http, kv, rp)
 
     async def _start(self, shard_id: str, now: float) -> None:

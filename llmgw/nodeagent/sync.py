@@ -159,8 +159,9 @@ class SyncLoop:
         )
         return identity
 
-    async def round(self) -> None:
-        """One sync; raises ControlPlaneError on failure."""
+    async def round(self, *, apply: bool = True) -> None:
+        """One sync; raises ControlPlaneError on failure. ``apply=False`` only reports (the
+        agent's last word before it exits): the answer's desired set is not acted on."""
         if self.identity is None:
             self.identity = await self._register()
         identity = self.identity
@@ -201,7 +202,7 @@ class SyncLoop:
         if resp.instances != self.instances:
             self.instances = resp.instances
             self._on_instances(resp.instances)
-        if not resp.unchanged and resp.shards is not None:
+        if apply and not resp.unchanged and resp.shards is not None:
             await self._apply(resp)
             self.desired_version = resp.desired_version
 

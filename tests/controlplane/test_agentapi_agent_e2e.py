@@ -9,7 +9,6 @@ against uvicorn serving the agent API on a real Postgres.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from agentapi_testkit import fetch, make_token, place_shard, running_agent_api, set_desired_state
-from support.procs import free_port
+from support.procs import agent_port_base, free_port
 
 from llmgw.nodeagent.procs import kill_marked
 from tests.nodeagent.agent_harness import AgentProcess
@@ -63,7 +62,7 @@ def _sim_spec() -> dict[str, Any]:
 async def test_the_real_agent_registers_syncs_and_runs_a_sim_shard(
     db_url: str, tmp_path: Path
 ) -> None:
-    base = random.randrange(30000, 60000, 64)
+    base = agent_port_base()
     shard = ""
     async with running_agent_api(db_url) as cp:
         token = await make_token(cp.sessions, uses=1, pool="sim")

@@ -211,6 +211,25 @@ async def test_a_stopped_shard_is_released_once_its_agent_reports_it_gone(db_url
         assert resp.shards is not None and {s.shard_id for s in resp.shards} == {keep, again}
 
 
+async def test_an_agent_on_an_older_set_releases_nothing(db_url: str) -> None:
+    """`exited` from an agent that has not applied the stop is a crash with a restart pending:
+    freeing its GPUs then would let the reconciler place them twice."""
+    async with running_agent_api(db_url) as cp:
+        node = await cp.node(await make_token(cp.sessions), "n1", gpus=2)
+        shard = await place_shard(cp.sessions, node.id, gpus=(0,))
+        resp = await cp.sync(node, seq=1, bindings=[ready(shard)])
+        current = resp.desired_version
+        await set_desired_state(cp.sessions, shard, "stopped")
+        crashed = ShardBinding(shard_id=shard, observed_state="exited", exit_code=137)
+        resp = await cp.sync(node, seq=2, desired_version=current, bindings=[crashed])
+        rows = await fetch(cp.sessions, "SELECT released FROM shards")
+        assert rows[0].released is False
+        # Once it reports on the set that stops the shard, the shard is released.
+        resp = await cp.sync(node, seq=3, desired_version=resp.desired_version, bindings=[])
+        rows = await fetch(cp.sessions, "SELECT released FROM shards")
+        assert rows[0].released is True
+
+
 async def test_a_running_shard_missing_from_the_report_is_not_released(db_url: str) -> None:
     async with running_agent_api(db_url) as cp:
         node = await cp.node(await make_token(cp.sessions), "n1")

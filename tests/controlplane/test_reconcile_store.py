@@ -188,11 +188,17 @@ async def test_scale_down_drains_then_stops_and_releases(
         now[0] += timedelta(seconds=31)
         await rec.pass_once(epoch)
         assert _scalar(url, "SELECT count(*) FROM shards WHERE desired_state = 'stopped'") == 2
-        # The agent reports them gone: released (GPUs free), then the rows are deleted.
+        # Reported exited alone proves nothing (a crash with a restart pending looks the same):
+        # the replicas wait for the agent API to release the shards.
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(
                 "UPDATE shards SET observed_state = 'exited' WHERE desired_state = 'stopped'"
             )
+        assert await rec.pass_once(epoch) == {}
+        assert _scalar(url, "SELECT count(*) FROM replicas") == 3
+        # An agent on the current set reports them gone: released (GPUs free), rows deleted.
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE shards SET released = true WHERE desired_state = 'stopped'")
         await rec.pass_once(epoch)
         assert _scalar(url, "SELECT count(*) FROM replicas") == 1
         assert _scalar(url, "SELECT count(*) FROM gpu_assignments") == 1
@@ -252,3 +258,42 @@ async def test_a_fenced_leader_writes_nothing(
         assert _scalar(url, "SELECT count(*) FROM replicas") == 0
     finally:
         await new_lock.release()
+
+
+async def test_a_new_leader_after_an_outage_gives_nodes_a_grace_of_its_own(
+    db_url: str, shell: tuple[AsyncEngine, async_sessionmaker[AsyncSession]]
+) -> None:
+    """Every node's last sync is old after the control planes (or Postgres) were down: the
+    leader that comes back must not read that as every node dying at once."""
+    url = libpq_url(db_url)
+    _seed(url, nodes=2, gpus=2, replicas=2)
+    _, sessions = shell
+    settings = PlanSettings(sync_period_s=1.0, sync_grace_s=10.0, drain_timeout_s=60.0)
+    lock, epoch = await _lead(db_url, "cp-e")
+    try:
+        await Reconciler(
+            sessions=sessions, libpq_url=url, instance_id="cp-e", plan_settings=settings
+        ).pass_once(epoch)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE shards SET observed_state = 'ready'")
+            # The outage: nobody could sync for ten minutes.
+            conn.execute("UPDATE node_status SET last_sync_at = now() - interval '10 minutes'")
+        now = [datetime.now(UTC)]
+        back = Reconciler(
+            sessions=sessions,
+            libpq_url=url,
+            instance_id="cp-e",
+            plan_settings=settings,
+            clock=lambda: now[0],
+        )
+        assert "StopReplica" not in await back.pass_once(epoch)
+        now[0] += timedelta(seconds=5)
+        assert "StopReplica" not in await back.pass_once(epoch)
+        # Silent for longer than the grace as this leader has watched them: replaced.
+        now[0] += timedelta(seconds=6)
+        counts = await back.pass_once(epoch)
+        assert counts.get("StopReplica") == 2, counts
+        reasons = _scalar(url, "SELECT string_agg(reason, ';') FROM reconcile_actions")
+        assert "stopped syncing" in str(reasons)
+    finally:
+        await lock.release()

@@ -20,6 +20,19 @@ def test_leading_blocks_only() -> None:
     assert got["b"].share == 0.5 and not got["a"].partial
 
 
+def test_blocks_lists_one_shards_view_per_medium() -> None:
+    idx = PrefixIndex()
+    idx.apply_delta("m", "a", [3, 1, 2])
+    idx.apply_delta("m", "b", [2, 9])
+    idx.apply_delta("m", "a", [7], medium="cpu")
+    idx.apply_delta("m", "a", removed=[2])
+    idx.drop_shard("b")  # a retired slot's bits must not leak into a live shard's listing
+    idx.apply_delta("m", "c", [5])
+    assert idx.blocks("a") == {"GPU": [1, 3], "CPU": [7]}
+    assert idx.blocks("c") == {"GPU": [5]}
+    assert idx.blocks("nobody") == {}
+
+
 def test_media_are_separate_and_selectable() -> None:
     idx = PrefixIndex()
     idx.apply_delta("m", "a", [1], medium="GPU")

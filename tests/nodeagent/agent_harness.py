@@ -90,6 +90,7 @@ class AgentProcess:
         node_name: str = "node-a",
         extra_env: dict[str, str] | None = None,
         sim_gpus: int = 0,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.state_dir = state_dir
         self.log_path = log_path
@@ -121,6 +122,7 @@ class AgentProcess:
             str(listen_port),
             "--sim-gpus",
             str(sim_gpus),
+            *extra_args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -1,25 +1,39 @@
-"""Fixtures of the node agent's tests: the protocol test server, agents as real processes,
-and shard ids whose processes are killed (by marker) whatever the test left behind."""
+"""Fixtures of the node agent's tests: the protocol test server, the REAL control plane
+(`llmgw controlplane` on a throwaway database, ``realcp``), agents as real processes, and
+shard ids whose processes are killed (by marker) whatever the test left behind."""
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support.procs import free_port
+from pg_harness import PgServer
+from support.procs import agent_port_base, free_port
 
 from llmgw.nodeagent.procs import kill_marked
 from tests.nodeagent.agent_harness import AgentProcess
 from tests.nodeagent.protocol_server import ProtocolServer, protocol_server
+from tests.nodeagent.realcp import RealControlPlane
 
 
 @pytest.fixture
 def cp() -> Iterator[ProtocolServer]:
     with protocol_server(free_port()) as server:
         yield server
+
+
+@pytest.fixture
+def realcp(pg_server: PgServer, _pg_template: str, tmp_path: Path) -> Iterator[RealControlPlane]:
+    name = pg_server.new_name("agentcp")
+    db_url = pg_server.create_database(name, template=_pg_template)
+    cp = RealControlPlane(db_url, tmp_path / "controlplane.log")
+    try:
+        yield cp.start()
+    finally:
+        cp.stop()
+        pg_server.drop_database(name)
 
 
 @pytest.fixture
@@ -39,7 +53,7 @@ def shard_ids() -> Iterator[Callable[[str], str]]:
 @pytest.fixture
 def agent_factory(tmp_path: Path, cp: ProtocolServer) -> Iterator[Callable[..., AgentProcess]]:
     agents: list[AgentProcess] = []
-    base = random.randrange(30000, 60000, 64)
+    base = agent_port_base()
     listen = free_port()
     state = tmp_path / "state"
 

@@ -104,6 +104,26 @@ def test_desired_changes_act_only_on_the_difference(
     assert events.count("shard_started") == 1 and "shard_stopping" not in events
 
 
+def test_stopping_engines_on_exit_reports_them_exited_and_brings_them_back_next_start(
+    cp: ProtocolServer, agent_factory: Factory, shard_ids: Ids
+) -> None:
+    """`llmgw up`'s Ctrl-C: the agent stops its engines, then tells the control plane, so no
+    gateway routes to an engine that is gone; the next start runs the same shards again."""
+    a = shard_ids("a")
+    agent = agent_factory(extra_args=("--stop-engines-on-exit",))
+    _registered(cp, agent)
+    cp.set_desired("node-a", [sim_shard(a)])
+    before = _wait_states(cp, agent, {a: "ready"})
+    assert agent.terminate() == 0
+    assert marked_pids(a) == [] and before[a].pid is not None and not is_alive(before[a].pid)
+    last = cp.bindings("node-a")[a]
+    assert last.observed_state == "exited", last
+    assert "agent exited" in last.reason
+    agent = agent_factory(extra_args=("--stop-engines-on-exit",))
+    after = _wait_states(cp, agent, {a: "ready"})
+    assert after[a].pid != before[a].pid
+
+
 def test_agent_kill9_then_restart_adopts_every_engine_without_restarting_it(
     cp: ProtocolServer, agent_factory: Factory, shard_ids: Ids
 ) -> None:

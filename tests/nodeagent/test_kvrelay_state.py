@@ -112,6 +112,33 @@ async def test_mirror_survives_a_restart_and_bad_state_is_skipped(tmp_path: Path
         await relay.close()
 
 
+async def test_mirrors_of_an_older_agent_in_kv_kv_are_moved_and_reloaded(tmp_path: Path) -> None:
+    # Agents before the path fix kept mirrors in <state>/kv/kv/: an upgraded agent must still
+    # forward-fill from them instead of starting every engine's view blind.
+    state = tmp_path / "state"
+    port = free_port()
+    relay = _relay(state, CollectorRegistry())
+    await relay.start()
+    relay.watch("s1", sub_port=port, replay_port=None, model="m", engine_generation=3)
+    _publish_until(port, 0, (31, 32), relay)
+    relay.persist_now()
+    await relay.close()
+    legacy = state / "kv" / "kv"
+    legacy.mkdir()
+    (state / "kv" / "s1.mirror").rename(legacy / "s1.mirror")
+    (legacy / "s1.tmp").write_bytes(b"cut short")
+
+    relay = _relay(state, CollectorRegistry())
+    await relay.start()
+    try:
+        assert not legacy.exists() and (state / "kv" / "s1.mirror").exists()
+        relay.watch("s1", sub_port=port, replay_port=None, model="m", engine_generation=3)
+        view = relay.view("s1")
+        assert view is not None and view.last_seq == 0 and view.blocks == {"GPU": {31, 32}}
+    finally:
+        await relay.close()
+
+
 def test_bench_runs_and_reports_the_ratio() -> None:
     out = subprocess.run(
         [sys.executable, "bench/agent_kvrelay.py", "--batches", "300"],

@@ -118,6 +118,30 @@ async def test_wrong_or_missing_key_is_refused_before_the_engine_sees_it(
     assert await asyncio.to_thread(_successes, open_sim) == before + 1
 
 
+async def test_the_metrics_token_opens_metrics_and_nothing_else(
+    engines: tuple[SimProcess, SimProcess],
+) -> None:
+    open_sim, _ = engines
+    token = "prometheus-scrape-token-0123"
+    p = EngineProxy("127.0.0.1", 0, metrics_token=token)
+    p.set_routes({OPEN: ProxyRoute(_port(open_sim), KEY)})
+    base = f"http://127.0.0.1:{await p.start()}"
+    try:
+        scrape = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            r = await http.get(f"/shards/{OPEN}/metrics", headers=scrape)
+            assert r.status_code == 200 and "vllm:" in r.text
+            before = await asyncio.to_thread(_successes, open_sim)
+            for method, path in (("POST", "/v1/completions"), ("POST", "/tokenize")):
+                r = await http.request(
+                    method, f"/shards/{OPEN}{path}", json=_completion(), headers=scrape
+                )
+                assert r.status_code == 401, (path, r.text)
+            assert await asyncio.to_thread(_successes, open_sim) == before
+    finally:
+        await p.stop()
+
+
 async def test_the_key_is_forwarded_to_an_engine_that_checks_it(proxy: str) -> None:
     async with httpx.AsyncClient(base_url=proxy, timeout=10) as http:
         auth = {"Authorization": f"Bearer {KEY}"}

@@ -26,6 +26,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def agent_port_base(size: int = 64) -> int:
+    """The first port of a range for an agent's shards, below Linux's ephemeral range (32768+):
+    free_port() and every outgoing connection of the suite take ports up there, and an engine
+    whose port was taken in between crash-loops on "address already in use"."""
+    import random
+
+    return random.randrange(20000, 32768 - size, size)
+
+
 def llmgw_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmgw", *args]
 

@@ -30,7 +30,7 @@ from llmgw.kv import PrefixIndex
 from llmgw.logs import get_logger
 from llmgw.protocol.kvstream import KvDeltaRequest, KvResult
 
-__all__ = ["FullCopyLimiter", "KvIntake", "PlacedShard"]
+__all__ = ["FullCopyLimiter", "KvIntake", "PlacedShard", "ShardKvView"]
 
 _log = get_logger(__name__)
 
@@ -46,6 +46,22 @@ class PlacedShard:
     node_id: str
     model: str
     block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardKvView:
+    """What this instance holds for one shard, for debugging: every block, per medium."""
+
+    shard_id: str
+    model: str
+    version: int
+    complete: bool
+    partial: bool
+    blocks: dict[str, list[int]]  # medium -> sorted uint64 hashes
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(h) for h in self.blocks.values())
 
 
 @dataclass(slots=True)
@@ -75,6 +91,21 @@ class KvIntake:
     def is_complete(self, shard_id: str) -> bool:
         held = self._held.get(shard_id)
         return held is not None and held.complete
+
+    def view(self, shard_id: str) -> ShardKvView | None:
+        """Everything held for the shard (None: nothing). Walks the model's whole table, so it
+        is for the debug endpoint and tests, never for a request path."""
+        held = self._held.get(shard_id)
+        if held is None:
+            return None
+        return ShardKvView(
+            shard_id=shard_id,
+            model=held.model,
+            version=held.version,
+            complete=held.complete,
+            partial=self.index.is_partial(shard_id),
+            blocks=self.index.blocks(shard_id),
+        )
 
     def apply(
         self, node_id: str, request: KvDeltaRequest, placed: Mapping[str, PlacedShard]

@@ -20,7 +20,8 @@ Rules, each with the failure it prevents:
 - **Released.** A shard desired ``stopped`` that the agent reports ``exited``/``failed``, or no
   longer reports at all (agents report every shard they know, every sync), is released: its
   GPUs and leader port are free, and the node's desired_version is bumped so the agent drops
-  it from its set. Applied only with an in-order report, in the same transaction.
+  it from its set. Applied only with an in-order report from an agent that has applied the
+  node's current desired set (so it has seen the stop), in the same transaction.
 - **confirmed_drain** is true when an admin drains the node, or when every engine the agent
   reports alive is a shard the control plane knows on this node: then each stop in the set is
   an explicit ``desired_state=stopped`` the reconciler wrote (a deletion, a scale-down, a
@@ -386,7 +387,11 @@ class SyncHandler:
             written = await apply_bindings(session, node.id, pairs.items())
             foreign += len(pairs) - len(written)
             running = [s for s in written if pairs[s].observed_state not in GONE_STATES]
-            released = await release_stopped_shards(session, node.id, running)
+            # Only an agent that has applied the current set has seen these shards desired
+            # stopped: one still on an older set may report a crashed engine as `exited`
+            # and restart it, and releasing its GPUs then would let them be placed twice.
+            if request.desired_version == str(version):
+                released = await release_stopped_shards(session, node.id, running)
             if released:
                 version = await bump_desired_version(session, node.id)
                 node = replace(node, desired_version=version)

@@ -91,6 +91,7 @@ class LeaderLock:
         self._connect_timeout_s = connect_timeout_s
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._epoch: int | None = None
+        self._acquire_failing = False
 
     @property
     def epoch(self) -> int | None:
@@ -116,9 +117,15 @@ class LeaderLock:
                 )
             ).fetchone()
         except psycopg.Error as exc:
-            log.warning("leader_acquire_failed", error=type(exc).__name__)
+            # Once per outage, not once per tick: the database being down is one fact.
+            if not self._acquire_failing:
+                log.warning("leader_acquire_failed", error=type(exc).__name__)
+            self._acquire_failing = True
             await self._drop()
             return None
+        if self._acquire_failing:
+            log.info("leader_acquire_restored", instance=self._instance_id)
+            self._acquire_failing = False
         if row is None:
             # The singleton row is created by the first migration; without it nothing is fenced.
             await self._drop()

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -45,7 +46,7 @@ log = get_logger("llmgw.controlplane.reconcile")
 
 # After a failed pass: wait this long times 2**failures, capped, before the next try.
 _BACKOFF_BASE_S = 0.5
-_BACKOFF_MAX_S = 30.0
+_BACKOFF_MAX_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,22 @@ class ReconcileMetrics:
         )
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """A pass builds hundreds of thousands of short-lived, acyclic objects (rows, views,
+    capacity maps); each allocation burst triggers full collections that walk every live
+    object of the process, which made a pass grow faster than the fleet (measured 1.9x too
+    fast from 1,000 to 5,000 nodes; linear with collection paused). Reference counting frees
+    them all the same; the collector runs again right after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class Reconciler:
     """Leader election, wake-ups and passes for one control plane process."""
 
@@ -111,6 +128,10 @@ class Reconciler:
         self._lock = LeaderLock(libpq_url, instance_id=instance_id)
         self._wake = asyncio.Event()
         self._failures = 0
+        # When this process began watching the fleet without a gap: set on taking the lead,
+        # cleared by a failed pass. Nodes are judged silent only from then (load_snapshot).
+        self._observing_since: datetime | None = None
+        self._scheduler: AsyncIOScheduler | None = None
         self.passes_applied = 0
 
     @property
@@ -121,31 +142,53 @@ class Reconciler:
         """Ask for a pass soon (an admin write in this process, a test)."""
         self._wake.set()
 
+    @property
+    def plan_settings(self) -> PlanSettings:
+        return self._settings
+
+    @property
+    def tick_s(self) -> float:
+        return self._tick_s
+
+    def reconfigure(self, *, plan_settings: PlanSettings, tick_s: float) -> None:
+        """New rules and period from a config reload (SIGHUP); the next pass uses them.
+
+        Only between passes: ``pass_once`` reads the settings once, at its start, so a pass
+        never mixes two grace periods.
+        """
+        self._settings = plan_settings
+        if tick_s != self._tick_s:
+            self._tick_s = tick_s
+            if self._scheduler is not None:
+                self._scheduler.reschedule_job("reconcile-tick", trigger="interval", seconds=tick_s)
+        self._wake.set()
+
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set: lead when possible and pass on every tick or wake-up."""
         scheduler = AsyncIOScheduler()
         scheduler.add_job(self.wake, "interval", seconds=self._tick_s, id="reconcile-tick")
         scheduler.start()
+        self._scheduler = scheduler
         listener = asyncio.create_task(self._listen(stop), name="reconcile-listen")
         try:
             while not stop.is_set():
                 await self._step()
                 pause = self._pause_s()
-                with contextlib.suppress(TimeoutError):
-                    waiter = asyncio.ensure_future(self._wake.wait())
-                    stopper = asyncio.ensure_future(stop.wait())
-                    try:
-                        await asyncio.wait(
-                            {waiter, stopper},
-                            timeout=pause,
-                            return_when=asyncio.FIRST_COMPLETED,
-                        )
-                    finally:
-                        waiter.cancel()
-                        stopper.cancel()
-                if self._failures == 0:
-                    self._wake.clear()
+                # After a failure only a stop cuts the backoff short: ticks and notifications
+                # would otherwise retry a failing database every tick.
+                waits = {asyncio.ensure_future(stop.wait())}
+                if not self._failures:
+                    waits.add(asyncio.ensure_future(self._wake.wait()))
+                try:
+                    await asyncio.wait(waits, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+                # Always: a wake-up left set would make every later wait return at once, and
+                # a leader whose database is gone would retry its lock in a hot loop.
+                self._wake.clear()
         finally:
+            self._scheduler = None
             scheduler.shutdown(wait=False)
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -161,6 +204,7 @@ class Reconciler:
     async def _step(self) -> None:
         epoch = self._lock.epoch
         if epoch is None or not await self._lock.still_held():
+            self._observing_since = None
             epoch = await self._lock.try_acquire()
         self._metrics.leader.set(1 if epoch is not None else 0)
         if epoch is None:
@@ -174,6 +218,7 @@ class Reconciler:
         except Exception:
             # Transient (Postgres restarting, a serialization failure): retried with backoff.
             self._failures += 1
+            self._observing_since = None
             self._metrics.failures.inc()
             log.exception("reconcile_failed", epoch=epoch, failures=self._failures)
 
@@ -181,10 +226,16 @@ class Reconciler:
         """One fenced pass; returns the actions applied by kind."""
         start = time.perf_counter()
         now = self._clock()
+        settings = self._settings
+        if self._observing_since is None:
+            self._observing_since = now
         async with self._sessions() as session, session.begin():
             await check_epoch(session, epoch)
-            state = await load_snapshot(session, settings=self._settings, now=now)
-            plan = compute_plan(state.snapshot, now)
+            with _cyclic_gc_paused():
+                state = await load_snapshot(
+                    session, settings=settings, now=now, observing_since=self._observing_since
+                )
+                plan = compute_plan(state.snapshot, now)
             if plan:
                 await apply_plan(session, plan, state, epoch=epoch)
         counts = plan.counts()

@@ -27,8 +27,6 @@ __all__ = [
     "shard_gone",
 ]
 
-_GONE = ("exited", "failed")
-
 
 def serving(r: ReplicaView) -> bool:
     """Every shard desired running and reported ready: what the gateway may route to."""
@@ -38,8 +36,14 @@ def serving(r: ReplicaView) -> bool:
 
 
 def shard_gone(s: ShardView, nodes: dict[NodeId, NodeView]) -> bool:
-    """The engine is reported gone, or its node was deleted (no agent will ever report)."""
-    return s.released or s.observed_state in _GONE or s.node_id not in nodes
+    """The shard was released, or its node was deleted (no agent will ever report).
+
+    Released, not merely observed `exited`/`failed`: those may have been reported before the
+    agent saw the stop (`exited` is a crash with a restart pending), and an engine that comes
+    back on GPUs the plan counts as free would share them. The agent API releases a shard
+    only on a report from an agent that has applied the set in which it is stopped.
+    """
+    return s.released or s.node_id not in nodes
 
 
 def crash_looping(s: ShardView, settings: PlanSettings) -> bool:

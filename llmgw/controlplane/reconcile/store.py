@@ -147,6 +147,13 @@ def _fabrics(inventory: Mapping[str, Any]) -> tuple[tuple[Fabric, ...], dict[str
     return tuple(fabrics), gid
 
 
+def _evidence_of_life(last_sync_at: datetime | None, since: datetime | None) -> datetime | None:
+    # A node that never synced stays unknown: it has earned no grace.
+    if last_sync_at is None or since is None:
+        return last_sync_at
+    return max(last_sync_at, since)
+
+
 def _requirements(profile: EngineProfile) -> PlacementRequirements:
     return placement_requirements(profile)
 
@@ -157,9 +164,20 @@ def _engine_profile(p: Profile, model_name: str) -> EngineProfile:
 
 
 async def load_snapshot(
-    session: AsyncSession, *, settings: PlanSettings, now: datetime
+    session: AsyncSession,
+    *,
+    settings: PlanSettings,
+    now: datetime,
+    observing_since: datetime | None = None,
 ) -> LoadedState:
-    """Desired and observed state in six statements, as frozen views."""
+    """Desired and observed state in six statements, as frozen views.
+
+    ``observing_since``: when the caller began watching the fleet without a gap (it took
+    the lead, or its passes work again after a failure). A node is judged silent only by
+    what happened since then: after an outage of the control planes or Postgres, every
+    node's last sync is old through no fault of its own, and a leader that counted that
+    silence would replace every replica of the fleet before a single agent could sync.
+    """
     rows = (
         await session.execute(
             select(Deployment, Profile, Model.name, DeploymentStatus)
@@ -229,15 +247,30 @@ async def load_snapshot(
         )
         launch[dep_id] = (dep.name, eprof)
 
+    # Plain rows, not ORM objects, for the tables that grow with the fleet (nodes, replicas,
+    # shards, GPU assignments): building ~8 ORM instances per node made a 1,000-node pass
+    # spend most of its time in the ORM and the cyclic GC (bench/reconcile.py).
     node_rows = (
         await session.execute(
-            select(Node, NodeStatus).outerjoin(NodeStatus, NodeStatus.node_id == Node.id)
+            select(
+                Node.id,
+                Node.name,
+                Node.pool,
+                Node.approval_state,
+                Node.cordoned,
+                Node.draining,
+                NodeStatus.node_id.label("status_of"),
+                NodeStatus.inventory,
+                NodeStatus.last_sync_at,
+                NodeStatus.mgmt_addr,
+            ).outerjoin(NodeStatus, NodeStatus.node_id == Node.id)
         )
     ).all()
     nodes: list[NodeView] = []
     facts: dict[NodeId, _NodeFacts] = {}
-    for node, ns in node_rows:
-        inventory: Mapping[str, Any] = ns.inventory if ns is not None else {}
+    for node in node_rows:
+        reported = node.status_of is not None
+        inventory: Mapping[str, Any] = node.inventory if reported else {}
         gpus, devices = _gpus(inventory)
         fabrics, gid = _fabrics(inventory)
         node_id = NodeId(str(node.id))
@@ -249,7 +282,9 @@ async def load_snapshot(
                 approved=node.approval_state == "approved",
                 cordoned=node.cordoned,
                 draining=node.draining,
-                last_sync_at=ns.last_sync_at if ns is not None else None,
+                last_sync_at=_evidence_of_life(
+                    node.last_sync_at if reported else None, observing_since
+                ),
                 gpus=gpus,
                 fabrics=fabrics,
                 cpu_threads=int(inventory.get("cpu_threads") or 0),
@@ -258,26 +293,22 @@ async def load_snapshot(
         index_of_key = {g.key: g.index for g in gpus}
         facts[node_id] = _NodeFacts(
             name=node.name,
-            mgmt_addr=ns.mgmt_addr if ns is not None else "",
+            mgmt_addr=node.mgmt_addr if reported else "",
             devices=devices,
             placement_index={v: index_of_key[k] for k, v in devices.items()},
             gid_index=gid,
         )
 
-    replica_rows = (await session.execute(select(Replica))).scalars().all()
-    shard_rows = (await session.execute(select(Shard).order_by(Shard.rank))).scalars().all()
+    replica_rows = (await session.execute(select(*Replica.__table__.c))).all()
+    shard_rows = (await session.execute(select(*Shard.__table__.c).order_by(Shard.rank))).all()
     gpu_rows = (
-        (
-            await session.execute(
-                select(GpuAssignment)
-                .where(GpuAssignment.shard_released.is_(False))
-                .order_by(GpuAssignment.shard_id, GpuAssignment.position)
-            )
+        await session.execute(
+            select(GpuAssignment.shard_id, GpuAssignment.gpu_index, GpuAssignment.mig_uuid)
+            .where(GpuAssignment.shard_released.is_(False))
+            .order_by(GpuAssignment.shard_id, GpuAssignment.position)
         )
-        .scalars()
-        .all()
-    )
-    devices_of: dict[uuid.UUID, list[GpuAssignment]] = {}
+    ).all()
+    devices_of: dict[uuid.UUID, list[Any]] = {}
     for g in gpu_rows:
         devices_of.setdefault(g.shard_id, []).append(g)
     shards_of: dict[uuid.UUID, list[ShardView]] = {}
@@ -299,9 +330,9 @@ async def load_snapshot(
                 fabric=s.fabric,
                 leader_port=s.leader_port,
                 threads=int(s.launch_spec.get("threads") or 0),
-                desired_state=s.desired_state,  # type: ignore[arg-type]
+                desired_state=s.desired_state,
                 released=s.released,
-                observed_state=s.observed_state,  # type: ignore[arg-type]
+                observed_state=s.observed_state,
                 observed_reason=s.observed_reason,
                 restarts=s.restarts,
             )
@@ -325,7 +356,7 @@ async def load_snapshot(
             profile_fingerprint=r.profile_fingerprint,
             created_at=r.created_at,
             shards=tuple(shards_of.get(r.id, ())),
-            state=r.state,  # type: ignore[arg-type]
+            state=r.state,
             drain_deadline=r.drain_deadline,
             reason=r.reason,
         )

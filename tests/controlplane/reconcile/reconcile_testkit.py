@@ -2,7 +2,8 @@
 
 The simulator stands in for agents the way the real ones behave on the wire:
 a shard desired running goes pending -> starting -> ready, one step each; a
-shard desired stopped is reported exited; nodes in `dead` stop syncing.
+shard desired stopped is stopped and, as the agent API does on the next report of an
+agent that has applied that set, released; nodes in `dead` stop syncing.
 """
 
 from __future__ import annotations
@@ -145,9 +146,7 @@ def _agent(s: ShardView) -> ShardView:
     if s.released:
         return s
     if s.desired_state == "stopped":
-        return (
-            s if s.observed_state in ("exited", "failed") else replace(s, observed_state="exited")
-        )
+        return replace(s, observed_state="exited", released=True)
     if s.desired_state == "running" and s.observed_state in ("pending", "exited"):
         return replace(s, observed_state="starting")
     if s.desired_state == "running" and s.observed_state == "starting":
