@@ -18,8 +18,12 @@ class PortsExhausted(Exception):
     """No free port is left in the configured range."""
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, *, reuse_addr: bool = False) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse_addr:
+            # As the engines' servers bind: connections of a dead engine lingering in
+            # TIME_WAIT do not make its port unusable, only a live listener does.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -48,7 +52,7 @@ class PortAllocator:
         process may have taken one since, and an engine started there would crash-loop on
         "address already in use" for as long as that process holds it.
         """
-        if _bindable(port):
+        if _bindable(port, reuse_addr=True):
             return port
         self.release([port])
         return self.allocate()

@@ -45,8 +45,12 @@ def test_scale_0_to_3_to_1_and_a_description_edit_restarts_nothing(sim_fleet: Fl
         assert answers(shard, "chat")
         assert pid_alive(shard.pid)
 
-    status = f.admin("GET", "/deployments/chat")["status"]
-    assert status["ready_replicas"] == 3, status
+    # The status is the reconciler's, written on its next pass after the agents' reports.
+    f.until(
+        lambda: f.admin("GET", "/deployments/chat")["status"]["ready_replicas"] == 3,
+        timeout_s=10,
+        what="the rollout status to count 3 ready replicas",
+    )
 
     # Prometheus service discovery: one target group per ready engine, the agent proxy's
     # address, the shard's metrics path behind it; no engine key anywhere in the answer.

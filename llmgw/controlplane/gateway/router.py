@@ -141,7 +141,12 @@ def decide(
             shares[c.replica] = 0.0
     method: Method = "precise" if scored_precisely else "approximate"
     best_any = max(shares.values())
-    if best_any <= 0.0 and scored_precisely and approximate:
+    if (
+        best_any <= 0.0
+        and scored_precisely
+        and approximate
+        and any(approximate.get(c.replica, 0.0) > 0.0 for c in candidates)
+    ):
         # No replica holds a block yet: most often the prefix is still in its first prefill
         # somewhere (KV events come after the blocks are computed). What this gateway sent
         # where knows that; scattering the followers would compute the prefix again.
