@@ -97,6 +97,27 @@ def load_or_create_admin_token(data_dir: Path) -> str:
     return token
 
 
+def _kept_port(path: Path) -> int:
+    """The port recorded in ``path`` while it is still free, else a new free one (recorded)."""
+    try:
+        port = int(path.read_text().strip())
+    except (OSError, ValueError):
+        port = 0
+    if port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                pass  # taken by something else since: pick another
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    path.write_text(f"{port}\n")
+    return port
+
+
 class AllInOne:
     def __init__(
         self,
@@ -259,9 +280,13 @@ class AllInOne:
                 opts.data_dir, url, registered=registered, name=name
             )
             env = self._env()
-            # The agent's own ports: any free one (a second `up`, or a fleet agent, may hold
-            # the defaults); engines get theirs from the range.
-            env.setdefault("LLMGW_AGENT__PROXY_PORT", "0")
+            # The agent's proxy port is chosen once and kept in the data dir: engines' URLs
+            # (what gateways route to) then survive an agent restart, and requests reach the
+            # adopted engines as soon as the new agent listens. Not the default 9401: a second
+            # `up`, or a fleet agent, may hold it. Engines get their ports from the range.
+            env.setdefault(
+                "LLMGW_AGENT__PROXY_PORT", str(_kept_port(opts.data_dir / f"{name}.proxy_port"))
+            )
             env["LLMGW_AGENT__PORT_RANGE_START"], env["LLMGW_AGENT__PORT_RANGE_END"] = ports.split(
                 "-"
             )

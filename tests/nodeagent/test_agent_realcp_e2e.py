@@ -101,7 +101,8 @@ class Fleet:
             for t in twins:
                 t.result()
         blocks = engine_blocks(shard["http_port"])
-        assert blocks is not None and max(blocks.values()) == 2, "no duplicate blocks"
+        # Duplicates in play (an earlier identical prompt may hold a third reference).
+        assert blocks is not None and max(blocks.values()) >= 2, "no duplicate blocks"
 
     def agree(self, shards: list[dict[str, Any]], timeout_s: float = 20) -> None:
         for s in shards:

@@ -78,7 +78,19 @@ def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> Non
         progress = up.err.read_text()
         assert "Waiting for the demo's replicas" in progress and ": ready" in progress
 
-        status = up.status_json()
+        # `up` announces once one chat completion went through; the second replica and the
+        # reconciler's status follow within moments.
+        status = wait_for(
+            lambda: (
+                st
+                if (st := up.status_json())["deployments"]
+                and st["deployments"][0]["ready"] == 2
+                and [s["state"] for s in st["shards"]] == ["ready", "ready"]
+                else None
+            ),
+            timeout_s=30,
+            what="both demo replicas ready in `llmgw status`",
+        )
         (dep,) = status["deployments"]
         assert (dep["name"], dep["desired"], dep["ready"], dep["updated"]) == ("demo", 2, 2, 2)
         assert dep["rollout"] == "complete"
