@@ -206,7 +206,21 @@ async def _on_stale(_request: Request, _exc: Exception) -> Response:
     )
 
 
+# Deadlock and serialization failure: Postgres chose this transaction to abort so a concurrent
+# one could finish. Nothing was written; the same request succeeds when sent again.
+_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
+
+
 async def _on_db_unavailable(_request: Request, exc: Exception) -> Response:
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    if sqlstate in _RETRYABLE_SQLSTATES:
+        log.warning("database_conflict", sqlstate=sqlstate)
+        return _error(
+            409,
+            "conflict",
+            "the change raced with another writer (the reconciler, another admin) and was "
+            "rolled back; nothing was written: send it again",
+        )
     log.error("database_error", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _error(503, "database-unavailable", "the state store is unreachable; retry shortly")
 

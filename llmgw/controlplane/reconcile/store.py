@@ -427,8 +427,11 @@ async def apply_plan(session: AsyncSession, plan: Plan, state: LoadedState, *, e
     replica_nodes: dict[ReplicaId, set[NodeId]] = {
         r.id: {s.node_id for s in r.shards} for r in state.snapshot.replicas
     }
+    alive = await _lock_deployments(session, plan, state)
     for a in plan.actions:
         dep_name = state.replica_deployment.get(getattr(a, "replica_id", ReplicaId("")), "")
+        if isinstance(a, CreateReplica | UpdateRolloutStatus) and a.deployment_id not in alive:
+            continue  # deleted since the snapshot: the next pass drains what it left
         if isinstance(a, CreateReplica):
             dep_name, profile = state.launch[a.deployment_id]
             if profile is None:
@@ -502,6 +505,36 @@ async def apply_plan(session: AsyncSession, plan: Plan, state: LoadedState, *, e
             ),
             {"keep": ACTION_LOG_KEEP},
         )
+
+
+async def _lock_deployments(
+    session: AsyncSession, plan: Plan, state: LoadedState
+) -> set[DeploymentId]:
+    """Key-share lock every deployment the plan touches, in id order, before any replica row.
+
+    An admin deleting a deployment locks its row, then its replicas (ON DELETE SET NULL); a
+    pass that locked replicas first and then needed the deployment's key (a status upsert, a
+    replica insert) would deadlock with it. Taking the deployments first gives both writers
+    one order. Returns the ones that still exist.
+    """
+    of_replica = {r.id: r.deployment_id for r in state.snapshot.replicas}
+    ids: set[DeploymentId] = set()
+    for a in plan.actions:
+        if isinstance(a, CreateReplica | UpdateRolloutStatus):
+            ids.add(a.deployment_id)
+        else:
+            dep = of_replica.get(a.replica_id)
+            if dep is not None:
+                ids.add(dep)
+    if not ids:
+        return set()
+    rows = await session.execute(
+        select(Deployment.id)
+        .where(Deployment.id.in_(sorted(uuid.UUID(d) for d in ids)))
+        .order_by(Deployment.id)
+        .with_for_update(read=True, key_share=True)
+    )
+    return {DeploymentId(str(r)) for r in rows.scalars()}
 
 
 async def _create_replica(
