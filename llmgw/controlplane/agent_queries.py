@@ -54,6 +54,7 @@ __all__ = [
     "read_sync_nodes",
     "record_sync_order",
     "release_stopped_shards",
+    "stopped_shards_gone",
     "upsert_node_status",
 ]
 
@@ -442,6 +443,21 @@ async def release_stopped_shards(
             "UPDATE shards SET released = true WHERE node_id = :node AND NOT released "
             "AND desired_state = 'stopped' AND NOT (id = ANY(CAST(:running AS uuid[]))) "
             "RETURNING id"
+        ),
+        {"node": node_id, "running": sorted(str(s) for s in running)},
+    )
+    return sorted(uuid.UUID(str(r)) for r in result.scalars())
+
+
+async def stopped_shards_gone(
+    session: AsyncSession, node_id: uuid.UUID, running: Iterable[uuid.UUID]
+) -> list[uuid.UUID]:
+    """The shards ``release_stopped_shards`` would release: read-only, for a report that may
+    not release them yet (its agent has not applied the set that stops them)."""
+    result = await session.execute(
+        text(
+            "SELECT id FROM shards WHERE node_id = :node AND NOT released "
+            "AND desired_state = 'stopped' AND NOT (id = ANY(CAST(:running AS uuid[])))"
         ),
         {"node": node_id, "running": sorted(str(s) for s in running)},
     )

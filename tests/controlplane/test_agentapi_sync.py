@@ -309,3 +309,62 @@ async def test_a_report_another_instance_wrote_since_is_never_skipped(
         await one.api.nodes.refresh()
         await one.sync(node, seq=4, desired_version="1", bindings=b1)
         assert await _observed(one, shard) == ("ready", 1, "")
+
+
+async def test_stopped_shards_that_go_one_sync_apart_are_both_released(db_url: str) -> None:
+    """A node stopping two shards reports the first gone while the second still drains; the
+    second must be released once it is gone too, though the first release bumped the set."""
+    async with running_agent_api(db_url) as cp:
+        node = await cp.node(await make_token(cp.sessions), "n1", gpus=3)
+        keep = await place_shard(cp.sessions, node.id, gpus=(0,))
+        first = await place_shard(cp.sessions, node.id, gpus=(1,))
+        second = await place_shard(cp.sessions, node.id, gpus=(2,))
+        resp = await cp.sync(node, seq=1, bindings=[ready(keep), ready(first), ready(second)])
+        await set_desired_state(cp.sessions, first, "stopped")
+        await set_desired_state(cp.sessions, second, "stopped")
+        draining = ShardBinding(shard_id=second, observed_state="draining")
+        resp = await cp.sync(
+            node,
+            seq=2,
+            desired_version=resp.desired_version,
+            bindings=[ready(keep), ready(first), ready(second)],
+        )
+        # The agent applies the set that stops both: the first is gone, the second drains.
+        resp = await cp.sync(
+            node, seq=3, desired_version=resp.desired_version, bindings=[ready(keep), draining]
+        )
+        resp = await cp.sync(
+            node, seq=4, desired_version=resp.desired_version, bindings=[ready(keep), draining]
+        )
+        resp = await cp.sync(
+            node, seq=5, desired_version=resp.desired_version, bindings=[ready(keep)]
+        )
+        rows = await fetch(cp.sessions, "SELECT id, released FROM shards ORDER BY id")
+        assert {str(r.id): r.released for r in rows} == {keep: False, first: True, second: True}
+
+
+async def test_a_shard_gone_while_its_agent_was_behind_is_released_on_a_later_report(
+    db_url: str,
+) -> None:
+    """The reconciler bumps the node's set (another replica deleted) between the agent's
+    reports: the report that first shows the shard gone comes from an older set and releases
+    nothing; the same report on the current set must, though nothing in it changed."""
+    async with running_agent_api(db_url) as cp:
+        node = await cp.node(await make_token(cp.sessions), "n1", gpus=2)
+        keep = await place_shard(cp.sessions, node.id, gpus=(0,))
+        gone = await place_shard(cp.sessions, node.id, gpus=(1,))
+        resp = await cp.sync(node, seq=1, bindings=[ready(keep), ready(gone)])
+        await set_desired_state(cp.sessions, gone, "stopped")
+        resp = await cp.sync(
+            node, seq=2, desired_version=resp.desired_version, bindings=[ready(keep), ready(gone)]
+        )
+        current = resp.desired_version
+        await set_desired_state(cp.sessions, keep, "running")  # a bump, as DeleteReplica does
+        # Gone, reported on the set before the bump: nothing released yet.
+        resp = await cp.sync(node, seq=3, desired_version=current, bindings=[ready(keep)])
+        rows = await fetch(cp.sessions, "SELECT released FROM shards WHERE id = :id", id=gone)
+        assert rows[0].released is False
+        # The same report on the current set releases it.
+        await cp.sync(node, seq=4, desired_version=resp.desired_version, bindings=[ready(keep)])
+        rows = await fetch(cp.sessions, "SELECT released FROM shards WHERE id = :id", id=gone)
+        assert rows[0].released is True

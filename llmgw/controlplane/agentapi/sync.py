@@ -59,6 +59,7 @@ from llmgw.controlplane.agent_queries import (
     read_sync_node,
     record_sync_order,
     release_stopped_shards,
+    stopped_shards_gone,
 )
 from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
@@ -156,6 +157,9 @@ class _Applied:
     live_ids: frozenset[uuid.UUID] | None
     released: list[uuid.UUID]
     foreign: int
+    # A stopped shard is gone but the report came from an agent behind the current set:
+    # released on its next report, which must therefore not be answered from memory.
+    release_deferred: bool = False
 
 
 class SyncHandler:
@@ -233,7 +237,11 @@ class SyncHandler:
         self.nodes.put(node)
         if applied.in_order:
             memo.order = max(memo.order, order)
-            memo.bindings = bindings
+            # Only a report on the current set may serve as the fast path's baseline: one
+            # from an agent behind it released nothing (it had not seen the stops), and if
+            # its next, identical report were answered from memory, a stopped shard already
+            # gone would never be released.
+            memo.bindings = None if applied.release_deferred else bindings
         if node.approval_state != "approved":
             return "pending", self._response(node, approval="pending", version=None)
         if applied.live_ids is not None:
@@ -362,6 +370,7 @@ class SyncHandler:
             raise self._revoked(credential.node_id)
         version = node.desired_version
         released: list[uuid.UUID] = []
+        deferred = False
         foreign = 0
         in_order = newer and await record_sync_order(
             session,
@@ -392,16 +401,25 @@ class SyncHandler:
             # and restart it, and releasing its GPUs then would let them be placed twice.
             if request.desired_version == str(version):
                 released = await release_stopped_shards(session, node.id, running)
+            else:
+                deferred = bool(await stopped_shards_gone(session, node.id, running))
             if released:
                 version = await bump_desired_version(session, node.id)
                 node = replace(node, desired_version=version)
         # The version was read before the shards: the set sent is at least as new as the
         # version it is labelled with, so an agent never holds a version newer than its set.
         if request.desired_version == str(version):
-            return _Applied(node, in_order, version, None, None, released, foreign)
+            return _Applied(node, in_order, version, None, None, released, foreign, deferred)
         rows = await read_desired_shards(session, node.id)
         return _Applied(
-            node, in_order, version, rows, frozenset(r.id for r in rows), released, foreign
+            node,
+            in_order,
+            version,
+            rows,
+            frozenset(r.id for r in rows),
+            released,
+            foreign,
+            deferred,
         )
 
 
