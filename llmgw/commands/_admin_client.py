@@ -28,6 +28,7 @@ __all__ = [
     "DataDirOption",
     "TokenOption",
     "UrlOption",
+    "admin_client",
     "resolve_connection",
 ]
 
@@ -199,3 +200,8 @@ class AdminClient:
             message += "; check LLMGW_ADMIN_TOKEN (or --admin-token, or the up.json in use)"
         cls = _ERRORS.get(r.status_code, LlmgwError)
         return cls(message, field=field)
+
+
+def admin_client(url: str | None, admin_token: str | None, data_dir: Path | None) -> AdminClient:
+    """The client every admin command opens from its --url / --admin-token / --data-dir."""
+    return AdminClient(resolve_connection(url, admin_token, data_dir))

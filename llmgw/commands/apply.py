@@ -16,11 +16,10 @@ from typing import Annotated, Any
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.errors import SpecError
@@ -124,7 +123,7 @@ def apply(
     docs, positions = read_documents(filename)
     if not docs:
         raise SpecError(f"{filename} holds no documents", field="-f")
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         r = client.send("POST", "/apply", json_body={"documents": docs, "dry_run": dry_run})
         if r.status_code == 422:
             error = r.json().get("error", {})

@@ -7,11 +7,10 @@ from typing import Annotated
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error
 
@@ -32,7 +31,7 @@ def scale(
     data_dir: DataDirOption = None,
 ) -> None:
     """Set the desired replica count; the reconciler adds or drains replicas."""
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         out = client.request("POST", f"/deployments/{name}/scale", json_body={"replicas": replicas})
     typer.echo(f"deployment/{name} scaled to {out['replicas']}")
 
@@ -46,8 +45,11 @@ def suspend(
     data_dir: DataDirOption = None,
 ) -> None:
     """Keep the replicas placed with their engines suspended (stopped where they cannot sleep)."""
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
-        client.request("POST", f"/deployments/{name}/suspend", json_body={})
+    with admin_client(url, admin_token, data_dir) as client:
+        client.request(
+            "POST",
+            f"/deployments/{name}/suspend",
+        )
     typer.echo(f"deployment/{name} suspended")
 
 
@@ -60,6 +62,9 @@ def resume(
     data_dir: DataDirOption = None,
 ) -> None:
     """Bring a suspended deployment's engines back."""
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
-        client.request("POST", f"/deployments/{name}/resume", json_body={})
+    with admin_client(url, admin_token, data_dir) as client:
+        client.request(
+            "POST",
+            f"/deployments/{name}/resume",
+        )
     typer.echo(f"deployment/{name} resumed")

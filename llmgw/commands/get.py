@@ -10,11 +10,10 @@ from typing import Annotated, Any
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error, fail
 
@@ -202,7 +201,7 @@ def get(
     if plural not in _TABLES:
         fail(f"unknown kind {kind!r}; use one of {', '.join(_TABLES)}")
     data: Any
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         if name is not None and plural in _FILTERED_BY_NAME:
             items = client.list_all(plural, **{_FILTERED_BY_NAME[plural]: name})
             data = items

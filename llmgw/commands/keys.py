@@ -9,11 +9,10 @@ from typing import Annotated, Any
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.commands.tokens import parse_duration_s
@@ -133,7 +132,7 @@ def create(
         "expires_at": None if expires is None else parse_time(expires, option="--expires"),
         "cache_salt": cache_salt,
     }
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         out = client.request("POST", "/keys", json_body=body)
     typer.echo(out["key"])
     typer.echo(
@@ -151,11 +150,9 @@ def list_(
     data_dir: DataDirOption = None,
 ) -> None:
     """List keys (never their secrets), revoked ones included."""
-    from llmgw.commands.get import render_table
+    from llmgw.commands.get import get
 
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
-        items = client.list_all("keys")
-    typer.echo(render_table("keys", items))
+    get("keys", url=url, admin_token=admin_token, data_dir=data_dir)
 
 
 @app.command()
@@ -167,6 +164,6 @@ def revoke(
     data_dir: DataDirOption = None,
 ) -> None:
     """Every gateway refuses the key within a second; its usage is kept."""
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         client.request("POST", f"/keys/{name}/revoke")
     typer.echo(f"key/{name} revoked")

@@ -8,11 +8,10 @@ from typing import Annotated
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error
 
@@ -24,9 +23,12 @@ NodeName = Annotated[str, typer.Argument(help="The node's name (llmgw get nodes)
 
 
 def _post(verb: str, name: str, url: str | None, token: str | None, data_dir: Path | None) -> None:
-    with AdminClient(resolve_connection(url, token, data_dir)) as client:
+    with admin_client(url, token, data_dir) as client:
         # An empty JSON object: the internal listener refuses a POST that is not JSON.
-        client.request("POST", f"/nodes/{name}/{verb}", json_body={})
+        client.request(
+            "POST",
+            f"/nodes/{name}/{verb}",
+        )
 
 
 @app.command()
@@ -90,6 +92,6 @@ def delete(
     data_dir: DataDirOption = None,
 ) -> None:
     """Forget a node that holds no live shards (drain it first)."""
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         client.request("DELETE", f"/nodes/{name}")
     typer.echo(f"node/{name} deleted")

@@ -8,11 +8,10 @@ from typing import Annotated
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.errors import SpecError
@@ -73,7 +72,7 @@ def create(
         "require_approval": require_approval,
         "description": description,
     }
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         out = client.request("POST", "/bootstrap-tokens", json_body=body)
     typer.echo(out["token"])
     uses_text = "any number of nodes" if out["uses_left"] is None else f"{out['uses_left']} node(s)"
@@ -93,11 +92,9 @@ def list_(
     data_dir: DataDirOption = None,
 ) -> None:
     """List tokens (never their secrets)."""
-    from llmgw.commands.get import render_table
+    from llmgw.commands.get import get
 
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
-        items = client.list_all("bootstrap-tokens")
-    typer.echo(render_table("bootstrap-tokens", items))
+    get("bootstrap-tokens", url=url, admin_token=admin_token, data_dir=data_dir)
 
 
 @app.command()
@@ -109,6 +106,6 @@ def revoke(
     data_dir: DataDirOption = None,
 ) -> None:
     """No node can join with the token from now on; nodes that joined stay."""
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         client.request("DELETE", f"/bootstrap-tokens/{token_id}")
     typer.echo(f"bootstrap-token/{token_id} revoked")

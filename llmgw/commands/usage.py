@@ -9,11 +9,10 @@ from typing import Annotated, Any
 import typer
 
 from llmgw.commands._admin_client import (
-    AdminClient,
     DataDirOption,
     TokenOption,
     UrlOption,
-    resolve_connection,
+    admin_client,
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.commands.keys import parse_time
@@ -84,7 +83,7 @@ def usage(
         "group": group.value,
         "limit": 10_000,
     }
-    with AdminClient(resolve_connection(url, admin_token, data_dir)) as client:
+    with admin_client(url, admin_token, data_dir) as client:
         reply = client.request("GET", "/usage", **params)
     items = reply["items"]
     if output is Output.json:

@@ -428,6 +428,13 @@ async def apply_bindings(
     return {uuid.UUID(str(r)) for r in result.scalars()}
 
 
+# A node's shard desired stopped whose engine its agent no longer reports running.
+_STOPPED_AND_GONE = (
+    "node_id = :node AND NOT released AND desired_state = 'stopped' "
+    "AND NOT (id = ANY(CAST(:running AS uuid[])))"
+)
+
+
 async def release_stopped_shards(
     session: AsyncSession, node_id: uuid.UUID, running: Iterable[uuid.UUID]
 ) -> list[uuid.UUID]:
@@ -439,11 +446,7 @@ async def release_stopped_shards(
     the leader port; the caller bumps the node's desired_version so the agent drops them.
     """
     result = await session.execute(
-        text(
-            "UPDATE shards SET released = true WHERE node_id = :node AND NOT released "
-            "AND desired_state = 'stopped' AND NOT (id = ANY(CAST(:running AS uuid[]))) "
-            "RETURNING id"
-        ),
+        text(f"UPDATE shards SET released = true WHERE {_STOPPED_AND_GONE} RETURNING id"),
         {"node": node_id, "running": sorted(str(s) for s in running)},
     )
     return sorted(uuid.UUID(str(r)) for r in result.scalars())
@@ -455,10 +458,7 @@ async def stopped_shards_gone(
     """The shards ``release_stopped_shards`` would release: read-only, for a report that may
     not release them yet (its agent has not applied the set that stops them)."""
     result = await session.execute(
-        text(
-            "SELECT id FROM shards WHERE node_id = :node AND NOT released "
-            "AND desired_state = 'stopped' AND NOT (id = ANY(CAST(:running AS uuid[])))"
-        ),
+        text(f"SELECT id FROM shards WHERE {_STOPPED_AND_GONE}"),
         {"node": node_id, "running": sorted(str(s) for s in running)},
     )
     return sorted(uuid.UUID(str(r)) for r in result.scalars())

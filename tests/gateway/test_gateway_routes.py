@@ -82,7 +82,7 @@ async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
                 "(SELECT replica_id FROM shards WHERE id = :id)",
                 id=b,
             )
-            await asyncio.sleep(0.2)  # the LISTEN connection is up (it started with the cache)
+            await asyncio.wait_for(cache.listening.wait(), timeout=5)
             cache.changed.clear()
             started = time.monotonic()
             await _sql(sessions, f"NOTIFY {CHANGE_CHANNEL}")

@@ -249,6 +249,8 @@ class RouteCache:
         self._tasks: list[asyncio.Task[None]] = []
         self._failing = False
         self.changed = asyncio.Event()  # set after every successful refresh (tests wait on it)
+        # Set while the LISTEN connection is up: NOTIFYs sent from then on reach this cache.
+        self.listening = asyncio.Event()
 
     async def refresh(self) -> None:
         async with self._sessions() as session, session.begin():
@@ -300,8 +302,10 @@ class RouteCache:
                 async with conn:
                     await conn.execute(f"LISTEN {CHANGE_CHANNEL}")
                     failures = 0
+                    self.listening.set()
                     async for _note in conn.notifies():
                         self._wake.set()
             except psycopg.Error:
+                self.listening.clear()
                 failures += 1
                 await asyncio.sleep(min(_BACKOFF_MAX_S, 0.1 * 2**failures))
