@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support.procs import wait_for
 
-from llmgw.nodeagent.procs import is_alive, marked_pids
+from llmgw.nodeagent.procs import is_alive, marked_pids, proc_start_time
 from llmgw.protocol import DesiredShard, ShardBinding
 from tests.nodeagent.agent_harness import AgentProcess, sim_shard
 from tests.nodeagent.protocol_server import ProtocolServer
@@ -25,6 +25,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
 Factory = Callable[..., AgentProcess]
 Ids = Callable[[str], str]
+
+
+def _start_times(pids: list[int]) -> dict[int, int | None]:
+    return {p: proc_start_time(p) for p in pids}
+
+
+def _wait_exited(started: dict[int, int | None]) -> None:
+    """Wait until none of these processes (pid and start time, so a reused pid does not count)
+    is alive. One that is exiting has already dropped its environment, so its marker, while not
+    yet a zombie: a marker scan that comes up empty does not mean every process has finished."""
+
+    def alive() -> list[int]:
+        return [p for p, t in started.items() if t is not None and proc_start_time(p) == t]
+
+    wait_for(lambda: alive() == [], timeout_s=5, what=f"processes {sorted(started)} to exit")
 
 
 def _registered(cp: ProtocolServer, agent: AgentProcess, name: str = "node-a") -> None:
@@ -74,7 +89,7 @@ def test_desired_changes_act_only_on_the_difference(
     _registered(cp, agent)
     cp.set_desired("node-a", [sim_shard(a), sim_shard(b)])
     first = _wait_states(cp, agent, {a: "ready", b: "ready"})
-    b_pids = marked_pids(b)
+    b_pids = _start_times(marked_pids(b))
     assert b_pids, "the shard's processes carry its marker"
     cp.set_desired("node-a", [sim_shard(a), sim_shard(c)])
     after = _wait_states(cp, agent, {a: "ready", c: "ready"})
@@ -85,7 +100,7 @@ def test_desired_changes_act_only_on_the_difference(
     assert after[a].restarts == 0
     # b is gone, every process of it: wrapper, engine and anything they started.
     wait_for(lambda: marked_pids(b) == [], timeout_s=10, what="b's processes to be gone")
-    assert not any(is_alive(p) for p in b_pids)
+    _wait_exited(b_pids)
     assert not (agent.state_dir / "shards" / b).exists()
     # A changed spec (new fingerprint) restarts that shard, and only it.
     cp.set_desired("node-a", [sim_shard(a), sim_shard(c, fingerprint="fp-2")])
@@ -115,7 +130,8 @@ def test_stopping_engines_on_exit_reports_them_exited_and_brings_them_back_next_
     cp.set_desired("node-a", [sim_shard(a)])
     before = _wait_states(cp, agent, {a: "ready"})
     assert agent.terminate() == 0
-    assert marked_pids(a) == [] and before[a].pid is not None and not is_alive(before[a].pid)
+    assert marked_pids(a) == [] and before[a].pid is not None
+    _wait_exited({before[a].pid: before[a].process_start_time})
     last = cp.bindings("node-a")[a]
     assert last.observed_state == "exited", last
     assert "agent exited" in last.reason
@@ -525,11 +541,12 @@ def test_stopping_a_shard_kills_children_that_ignore_sigterm_or_left_the_group(
     pids = wait_for(lambda: len(p := marked_pids(s)) >= 4 and p, timeout_s=10, what="4 processes")
     groups = {os.getpgid(p) for p in pids}
     assert len(groups) >= 3  # wrapper's session group, the engine's group, the escapee's
+    started = _start_times(pids)
     t0 = time.monotonic()
     cp.set_desired("node-a", [])
     wait_for(lambda: marked_pids(s) == [], timeout_s=20, what="every process of the shard gone")
     assert time.monotonic() - t0 >= 2.0  # SIGTERM was ignored: SIGKILL after the grace period
-    assert not any(is_alive(p) for p in pids)
+    _wait_exited(started)
     wait_for(lambda: _states(cp, agent) == {}, timeout_s=10, what="the shard forgotten")
 
 
