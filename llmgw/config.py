@@ -215,10 +215,11 @@ class GatewaySettings(_Section):
         "(for benchmarks and for isolating a routing problem).",
     )
     routes_refresh_s: float = Field(
-        default=0.5,
+        default=5.0,
         gt=0,
-        le=1.0,
-        description="Period of the route table's re-read (NOTIFY wakes it earlier).",
+        le=60,
+        description="Period of the route table's re-read, a safety net: every write that "
+        "changes a route NOTIFYs the gateways (database triggers), which re-read at once.",
     )
     load_scrape_s: float = Field(
         default=0.5, gt=0, le=30, description="Period of the engines' /metrics scrape."
@@ -257,8 +258,9 @@ class GatewaySettings(_Section):
     default_max_tokens: int = Field(
         default=4096,
         ge=1,
-        description="Completion tokens reserved against a key's limits when a request "
-        "sets no max_tokens.",
+        description="Completion tokens reserved against a key's limits when a chat request "
+        "sets no max_tokens and the model's context length (from its replicas' /v1/models) "
+        "is not known yet; once known, the context length less the prompt is reserved.",
     )
     retry_budget_ratio: float = Field(
         default=0.1,

@@ -38,8 +38,7 @@ def controlplane(
 ) -> None:
     """Serve the OpenAI API on the public listener and the admin API, agent API, health,
     readiness and metrics on the internal listener."""
-    import asyncio
-
+    from llmgw import eventloop
     from llmgw.config import load_settings
     from llmgw.controlplane.agentapi.kv_intake import KvIntake
     from llmgw.controlplane.app import create_app
@@ -99,4 +98,4 @@ def controlplane(
         settings,
         reconciler=internal.state.reconciler,
     )
-    asyncio.run(serve(listeners, grace_s=cp.shutdown_grace_s, on_reload=reload))
+    eventloop.run(serve(listeners, grace_s=cp.shutdown_grace_s, on_reload=reload))

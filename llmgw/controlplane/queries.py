@@ -31,6 +31,7 @@ from llmgw.errors import ConflictError, NotFoundError
 
 __all__ = [
     "CHANGE_CHANNEL",
+    "ROUTES_CHANNEL",
     "apply_changes",
     "bump_generation",
     "bump_generations_of_profile",
@@ -54,6 +55,9 @@ __all__ = [
 # LISTEN channel the reconciler wakes on. A notification is a hint, never the
 # source of truth: the periodic tick is what guarantees progress.
 CHANGE_CHANNEL = "llmgw_desired_changed"
+# Sent by database triggers (migration 0005) on every write that can change a route: a
+# shard's observed or desired state, proxy URL, key or release; a replica's state.
+ROUTES_CHANNEL = "llmgw_routes_changed"
 
 _Row = TypeVar("_Row", Model, Profile, Deployment, Node, GpuClass)
 

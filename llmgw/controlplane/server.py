@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.types import ASGIApp
 
+from llmgw import eventloop
 from llmgw.config import Settings
 from llmgw.controlplane.reconcile.loop import Reconciler
 from llmgw.errors import ConfigError
@@ -184,6 +185,15 @@ def bind(host: str, port: int, *, listener: str, setting: str) -> socket.socket:
     return sock
 
 
+async def _freeze_once_started(servers: Sequence[uvicorn.Server]) -> None:
+    # uvicorn sets `started` once its app's startup (lifespan) is done; it has no event.
+    while not all(srv.started for srv in servers):
+        if any(srv.should_exit for srv in servers):
+            return
+        await asyncio.sleep(0.05)
+    eventloop.freeze_heap()
+
+
 async def serve(
     listeners: Sequence[Listener],
     *,
@@ -232,6 +242,7 @@ async def serve(
     for lst, sock in zip(listeners, sockets, strict=True):
         host, port = sock.getsockname()[:2]
         log.info("listener_started", listener=lst.name, url=f"http://{_url_host(host)}:{port}")
+    freeze = asyncio.create_task(_freeze_once_started(servers), name="freeze-heap")
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for srv in servers:
@@ -241,6 +252,7 @@ async def serve(
         if failures:
             raise failures[0]
     finally:
+        freeze.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         for s in sockets:

@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    event,
     func,
     text,
 )
@@ -701,3 +703,19 @@ class ReconcileAction(Base):
     replica_id: Mapped[uuid.UUID | None] = mapped_column()
     node: Mapped[str] = mapped_column(Text, server_default="")
     reason: Mapped[str] = mapped_column(Text, server_default="")
+
+
+# Every write that can change a route NOTIFYs the gateways, from the database, so that no
+# writer (agent syncs, the reconciler, an admin) can forget to (migration 0005). One
+# notification per statement; Postgres folds a transaction's identical ones into one.
+ROUTES_NOTIFY_DDL = (
+    "CREATE FUNCTION llmgw_notify_routes() RETURNS trigger LANGUAGE plpgsql AS "
+    "$$ BEGIN PERFORM pg_notify('llmgw_routes_changed', TG_TABLE_NAME); RETURN NULL; END $$",
+    "CREATE TRIGGER shards_notify_routes AFTER INSERT OR DELETE OR UPDATE OF observed_state, "
+    "proxy_url, desired_state, released, engine_api_key ON shards "
+    "FOR EACH STATEMENT EXECUTE FUNCTION llmgw_notify_routes()",
+    "CREATE TRIGGER replicas_notify_routes AFTER DELETE OR UPDATE OF state ON replicas "
+    "FOR EACH STATEMENT EXECUTE FUNCTION llmgw_notify_routes()",
+)
+for _statement in ROUTES_NOTIFY_DDL:
+    event.listen(Base.metadata, "after_create", DDL(_statement))  # type: ignore[no-untyped-call]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmgw import eventloop
 from llmgw.config import AgentSettings
 from llmgw.engines import EngineRegistry, EnginesConfig, SimConfig, base_env_from
 from llmgw.engines.engine import host_port
@@ -443,6 +444,7 @@ class Agent:
             inventory=self.inventory.source,
             shards_found=len(self.supervisor.runtimes),
         )
+        eventloop.freeze_heap()  # started: what is alive now lives as long as the agent
         tasks = [
             asyncio.create_task(sync.run(stop), name="sync"),
             asyncio.create_task(self._supervise(stop), name="supervise"),

@@ -333,6 +333,10 @@ def test_deleting_a_deployment_keeps_its_engines_for_the_reconciler(
             "SELECT r.deployment_id, s.desired_state FROM replicas r JOIN shards s ON s.replica_id = r.id WHERE r.id = %s",
             (replica,),
         ).fetchone()
+        acted = conn.execute(
+            "SELECT count(*) FROM reconcile_actions WHERE replica_id = %s", (replica,)
+        ).fetchone()[0]  # type: ignore[index]
     # The replica row outlives its deployment (FK SET NULL): no trigger stops or deletes engines
-    # behind the leader's back; the reconciler drains and stops them (tests/controlplane).
-    assert row is not None and row[0] is None
+    # behind the leader's back; the reconciler drains and stops them (tests/controlplane). The
+    # delete wakes the reconciler, whose pass may already have acted: then it says so.
+    assert (row is not None and row[0] is None) or acted > 0, (row, acted)

@@ -121,6 +121,28 @@ def test_openai_sync_client_chat_and_completions(gw: Served) -> None:
     assert record.released and record.reserve >= 3
 
 
+def test_a_request_without_max_tokens_reserves_the_models_context_length(gw: Served) -> None:
+    """What the engine may generate is reserved: the replicas' max_model_len (the
+    simulator's default, 32768, as their /v1/models says) less the prompt."""
+    wait_for(
+        lambda: gw.gateway.load.context_limit(["r0", "r1"]) == 32768,
+        timeout_s=10,
+        what="the gateway to learn the replicas' context length",
+    )
+    prompt = "a question " * 40
+    stream = _client(gw).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": prompt}], stream=True
+    )
+    next(iter(stream))  # admitted and answering; the rest is not needed
+    stream.close()
+    record = _last_released(gw)
+    assert record.reserve == 32768  # the prompt's estimate plus the rest of the context
+    _client(gw).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": prompt}], max_tokens=4
+    )
+    assert _last_released(gw).reserve < 200  # asked for 4: the prompt's estimate plus 4
+
+
 def test_openai_async_client_and_streaming(gw: Served) -> None:
     async def run() -> tuple[list[str], int]:
         client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=_auth(GOOD, "s1"))
@@ -444,3 +466,85 @@ def test_a_client_leaving_a_long_unstreamed_request_aborts_it_on_the_engine(
             assert record.released and record.settled == []  # nothing delivered, nothing billed
     finally:
         stop_sim(slow)
+
+
+class _Firehose:
+    """An engine streaming as fast as its client takes: ``total_mib`` MiB of 64 KiB chunks,
+    counting what it managed to hand to its server (``sent``)."""
+
+    CHUNK = b"data: " + json.dumps({"choices": [{"index": 0, "text": "x" * 65500}]}).encode()
+
+    def __init__(self, total_mib: int) -> None:
+        self.chunks = total_mib * 16
+        self.sent = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] != "/v1/completions":  # the gateway's /metrics and /v1/models scrapes
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for _ in range(self.chunks):
+            # uvicorn waits here while its transport is over the high-water mark.
+            await send(
+                {"type": "http.response.body", "body": self.CHUNK + b"\n\n", "more_body": True}
+            )
+            self.sent += len(self.CHUNK) + 2
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def test_a_client_that_stops_reading_holds_the_engine_back_not_the_gateways_memory() -> None:
+    """Backpressure end to end: the gateway reads the next chunk from the engine only after
+    the client took the previous one, so a client that reads nothing stops the engine's
+    stream after what the sockets' buffers and the two bounded relay buffers (aiohttp's
+    64 KiB read buffer, uvicorn's write high-water mark) hold, not after 128 MiB."""
+    import socket
+    import time
+
+    firehose = _Firehose(total_mib=128)
+    with (
+        serve_asgi(firehose) as upstream,
+        serve_gateway(table({"m": (endpoint("r0", upstream),)}), KEYS) as gw,
+    ):
+        body = json.dumps({"model": "m", "prompt": "x", "max_tokens": 10, "stream": True})
+        port = int(gw.url.rsplit(":", 1)[1])
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        client.connect(("127.0.0.1", port))
+        try:
+            client.sendall(
+                (
+                    f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                    f"Authorization: Bearer {_auth(GOOD, 's1')}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+                ).encode()
+            )
+            # The engine has started, then stalls: its count stops growing for a second.
+            last = [-1, time.monotonic()]
+
+            def stalled() -> bool:
+                if firehose.sent != last[0]:
+                    last[:] = [firehose.sent, time.monotonic()]
+                    return False
+                return firehose.sent > 0 and time.monotonic() - last[1] > 1.0
+
+            wait_for(stalled, timeout_s=30, what="the engine's stream to stall")
+            assert firehose.sent < 64 * 2**20, f"{firehose.sent / 2**20:.0f} MiB left the engine"
+            # Reading resumes the stream: everything arrives, in order, nothing lost.
+            client.settimeout(30)
+            received = 0
+            tail = b""
+            while not tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+                data = client.recv(1 << 20)
+                assert data, "the gateway closed the stream early"
+                received += len(data)
+                tail = (tail + data)[-64:]
+            assert firehose.sent == firehose.chunks * (len(_Firehose.CHUNK) + 2)
+            assert received > firehose.sent  # plus headers and chunked framing
+        finally:
+            client.close()

@@ -5,6 +5,7 @@ unreachable (fail static)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -108,6 +109,57 @@ async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
             with capture_logs() as logs:
                 await cache._refresh_quietly()
             assert [e["event"] for e in logs] == ["gateway_routes_restored"]
+        finally:
+            await cache.stop()
+    finally:
+        await engine.dispose()
+
+
+async def test_route_changes_reach_the_gateway_through_the_database_triggers(db_url: str) -> None:
+    """No writer sends a NOTIFY here and the period is a minute: the triggers of migration 0005
+    are what wake the cache, for a shard turning ready, a replica draining, a shard deleted."""
+    engine = create_engine(db_url, pool_size=2)
+    sessions = session_factory(engine)
+    try:
+        async with sessions() as session, session.begin():
+            node = (
+                await session.execute(text("INSERT INTO nodes (name) VALUES ('n1') RETURNING id"))
+            ).scalar_one()
+        a = await place_shard(sessions, str(node), gpus=(0,), model="gamma")
+        cache = RouteCache(sessions, libpq_url=libpq_url(db_url), refresh_s=60.0)
+        await cache.start()
+        try:
+            await asyncio.wait_for(cache.listening.wait(), timeout=5)
+
+            async def after(sql: str) -> tuple[str, ...]:
+                """The endpoints once the table changes after ``sql`` (within 5 s: only a
+                NOTIFY can bring it that soon)."""
+                before = tuple(e.shard for e in cache.table.routes["gamma"].endpoints)
+                await _sql(sessions, sql, id=a)
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    now = tuple(e.shard for e in cache.table.routes["gamma"].endpoints)
+                    if now != before:
+                        return now
+                    cache.changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(cache.changed.wait(), timeout=0.5)
+                raise AssertionError(f"no route change within 5 s of {sql!r}")
+
+            assert cache.table.routes["gamma"].endpoints == ()
+            ready = (
+                "UPDATE shards SET observed_state = 'ready', "
+                "proxy_url = 'http://agent:9/shards/' || id WHERE id = :id"
+            )
+            assert await after(ready) == (a,)
+            draining = (
+                "UPDATE replicas SET state = 'draining' "
+                "WHERE id = (SELECT replica_id FROM shards WHERE id = :id)"
+            )
+            assert await after(draining) == ()
+            active = draining.replace("'draining'", "'active'")
+            assert await after(active) == (a,)
+            assert await after("UPDATE shards SET observed_state = 'exited' WHERE id = :id") == ()
         finally:
             await cache.stop()
     finally:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from llmgw.config import GatewaySettings
 from llmgw.controlplane.gateway.errors import GatewayError
+from llmgw.controlplane.gateway.load import parse_max_model_len
 from llmgw.controlplane.gateway.wire import (
     StreamState,
     filter_events,
@@ -54,6 +55,16 @@ def test_filter_events_counts_and_strips_usage_unless_asked() -> None:
     with_null = _event({"choices": [{"text": "b"}], "usage": None})
     assert filter_events(with_null, nulls, False, lambda: 0.0) == with_null
     assert nulls.chunks == 1 and nulls.usage is None
+    # Generated text that spells a usage object is content (its quotes arrive escaped).
+    spelled = _event({"choices": [{"text": '"usage":{"prompt_tokens":1}'}]})
+    assert filter_events(spelled, nulls, False, lambda: 0.0) == spelled
+    assert nulls.chunks == 2 and nulls.usage is None
+    # Compact JSON (vLLM's pydantic) is found as well as spaced JSON (json.dumps).
+    compact = (
+        b"data: " + json.dumps({"choices": [], "usage": USAGE}, separators=(",", ":")).encode()
+    )
+    assert filter_events(compact + b"\n\n", nulls, False, lambda: 0.0) == b""
+    assert nulls.usage == USAGE
 
 
 def test_prompt_of_reads_chat_text_and_flags_multimodal() -> None:
@@ -92,3 +103,25 @@ def test_reserve_tokens() -> None:
     assert reserve_tokens({}, True, s) == 1000
     assert reserve_tokens({}, False, s) == 16  # OpenAI's completions default
     assert reserve_tokens({"max_tokens": 10, "n": 3}, False, s) == 30
+    # The model's context length known: what the engine may generate is the rest of it.
+    assert reserve_tokens({}, True, s, context_limit=8192, prompt_tokens=192) == 8000
+    assert reserve_tokens({}, True, s, context_limit=100, prompt_tokens=500) == 1
+    assert reserve_tokens({"max_tokens": 10}, True, s, context_limit=8192) == 10
+    assert reserve_tokens({}, False, s, context_limit=8192) == 16
+
+
+@pytest.mark.parametrize(
+    ("body", "limit"),
+    [
+        (b'{"data":[{"id":"m","max_model_len":4096},{"id":"lora","max_model_len":4096}]}', 4096),
+        (b'{"data":[{"id":"a","max_model_len":8192},{"id":"b","max_model_len":2048}]}', 2048),
+        (b'{"data":[{"id":"m"}]}', None),
+        (b'{"data":[{"id":"m","max_model_len":"4096"}]}', None),
+        (b'{"data":[{"id":"m","max_model_len":0}]}', None),
+        (b'{"data":{}}', None),
+        (b"[]", None),
+        (b"not json", None),
+    ],
+)
+def test_parse_max_model_len(body: bytes, limit: int | None) -> None:
+    assert parse_max_model_len(body) == limit

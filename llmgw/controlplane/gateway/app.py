@@ -33,11 +33,10 @@ key, the client's key), or serve anything of the control plane's internal API.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -311,38 +310,50 @@ class Gateway(Generic[K]):
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
 
         prompt_estimate = len(prompt.text) // _CHARS_PER_TOKEN
-        admission = self.admit(
-            key, model, prompt_estimate + reserve_tokens(body, chat, self.settings)
+        limit = self.load.context_limit(ep.replica for ep in route.endpoints)
+        reserve = reserve_tokens(
+            body, chat, self.settings, context_limit=limit, prompt_tokens=prompt_estimate
         )
+        admission = self.admit(key, model, prompt_estimate + reserve)
         try:
             self.budget.deposit()
             candidates = self._candidates(route, exclude=())
             decision, tokens = await self._route(route, candidates, body, prompt, salt, scope, chat)
             payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             self.metrics.in_flight.inc()
+            # A client that leaves while the engine works (a non-streamed answer's headers
+            # come only when it is complete) cancels the request: the engine sees the
+            # connection close and aborts, instead of generating for nobody.
+            watch = _DisconnectWatch(receive)
             try:
-                # A client that leaves while the engine works (a non-streamed answer's headers
-                # come only when it is complete) cancels the request: the engine sees the
-                # connection close and aborts, instead of generating for nobody.
-                attempt = await _unless_gone(
-                    self._send_upstream(route, decision.replica, payload, scope["path"]), receive
-                )
-            except BaseException:
-                self.metrics.in_flight.dec()
-                raise
-            prompt_tokens = len(tokens) if tokens is not None else prompt_estimate
-            replica = attempt.ep.replica
-            try:
-                if stream and attempt.resp.status == 200:
-                    await self._relay_stream(
-                        attempt, send, receive, admission, route, client_usage, prompt_tokens, t0
+                try:
+                    attempt = await self._send_upstream(
+                        route, decision.replica, payload, scope["path"]
                     )
-                else:
-                    await self._relay_whole(attempt, send, admission, route, t0)
+                except BaseException:
+                    self.metrics.in_flight.dec()
+                    raise
+                prompt_tokens = len(tokens) if tokens is not None else prompt_estimate
+                replica = attempt.ep.replica
+                try:
+                    if stream and attempt.resp.status == 200:
+                        await self._relay_stream(
+                            attempt, send, watch, admission, route, client_usage, prompt_tokens, t0
+                        )
+                    else:
+                        await self._relay_whole(attempt, send, admission, route, t0)
+                finally:
+                    self.load.finished(replica)
+                    self.metrics.in_flight.dec()
+                    attempt.resp.release()
+            except asyncio.CancelledError:
+                if watch.caused_cancel():
+                    raise ClientGone from None
+                raise
             finally:
-                self.load.finished(replica)
-                self.metrics.in_flight.dec()
-                attempt.resp.release()
+                # Before any other await: once the answer is complete, the server reports a
+                # "disconnect" to whoever still listens, which must not cancel us.
+                watch.close()
         finally:
             admission.release()
 
@@ -600,7 +611,7 @@ class Gateway(Generic[K]):
         self,
         attempt: _Attempt,
         send: Send,
-        receive: Receive,
+        watch: _DisconnectWatch,
         admission: Admission,
         route: ModelRoute,
         client_usage: bool,
@@ -620,21 +631,15 @@ class Gateway(Generic[K]):
                 ],
             }
         )
-        pump = asyncio.ensure_future(self._pump(resp, send, state, client_usage, route, ep))
-        watch = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            gone = pump not in done
-            if gone:
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pump
-                log.info("gateway_client_gone", model=route.name, replica=ep.replica,
-                         chunks=state.chunks)  # fmt: skip
-            else:
-                pump.result()
+            await self._pump(resp, send, state, client_usage, route, ep)
+        except asyncio.CancelledError:
+            if not watch.caused_cancel():
+                raise
+            # Billed for what was streamed (settled below), and not an error of ours.
+            log.info("gateway_client_gone", model=route.name, replica=ep.replica,
+                     chunks=state.chunks)  # fmt: skip
         finally:
-            watch.cancel()
             settle(
                 admission,
                 state.usage,
@@ -706,26 +711,35 @@ async def _proxy_unreached(resp: aiohttp.ClientResponse) -> str | None:
     return None
 
 
-T = TypeVar("T")
+class _DisconnectWatch:
+    """Cancels the request's own task when its client disconnects.
 
+    One watcher task per request, the work staying in the request's task: a task for the
+    work and ``asyncio.wait`` on both cost more CPU than the rest of the routing
+    (bench/gateway.py). Armed only once the request body is fully read: from then on
+    ``receive`` returns nothing but the disconnect. ``close`` must come before the task's
+    next await once the answer is complete, when the server reports a disconnect to
+    whoever still listens."""
 
-async def _unless_gone(work: Coroutine[Any, Any, T], receive: Receive) -> T:
-    """``work``'s result, or ``ClientGone`` (with ``work`` cancelled) if the client leaves first.
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.gone = False
+        self._watcher = asyncio.ensure_future(self._watch(receive))
 
-    Only called once the request body is fully read: from then on ``receive`` returns nothing
-    but the disconnect."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_disconnect(receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone
-    return task.result()
+    async def _watch(self, receive: Receive) -> None:
+        await wait_disconnect(receive)
+        self.gone = True
+        self._task.cancel()
+
+    def caused_cancel(self) -> bool:
+        """Whether the CancelledError being handled is the disconnect's (then it is taken
+        back, so the task's later awaits are not cancelled) rather than a shutdown's."""
+        if not self.gone:
+            return False
+        self._task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self._watcher.cancel()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import aiohttp
 from llmgw.controlplane.gateway.routes import Endpoint
 from llmgw.logs import get_logger
 
-__all__ = ["LoadTracker", "RetryBudget", "parse_engine_load"]
+__all__ = ["LoadTracker", "RetryBudget", "parse_engine_load", "parse_max_model_len"]
 
 log = get_logger("llmgw.controlplane.gateway")
 
@@ -44,6 +45,22 @@ def parse_engine_load(body: bytes) -> int:
                 with contextlib.suppress(ValueError, IndexError):
                     total += float(line.rsplit(None, 1)[1])
     return int(total)
+
+
+def parse_max_model_len(body: bytes) -> int | None:
+    """The context length a replica serves, from its ``GET /v1/models`` (vLLM and the
+    simulator state ``max_model_len`` on every entry; adapters share their base's)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    limits = []
+    for entry in data if isinstance(data, list) else ():
+        value = entry.get("max_model_len") if isinstance(entry, dict) else None
+        if type(value) is int and value > 0:
+            limits.append(value)
+    return min(limits) if limits else None
 
 
 @dataclass(slots=True)
@@ -65,6 +82,8 @@ class LoadTracker:
         self._clock = clock
         self.in_flight: dict[str, int] = {}
         self.engine: dict[str, int] = {}
+        # replica -> its context length (max_model_len), asked once per replica.
+        self.context: dict[str, int] = {}
         self._health: dict[str, _Health] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -80,6 +99,11 @@ class LoadTracker:
             self.in_flight[replica] = left
         else:
             self.in_flight.pop(replica, None)
+
+    def context_limit(self, replicas: Iterable[str]) -> int | None:
+        """The smallest context length known among ``replicas`` (None: none known yet)."""
+        known = [self.context[r] for r in replicas if r in self.context]
+        return min(known) if known else None
 
     def healthy(self, replica: str) -> bool:
         h = self._health.get(replica)
@@ -112,10 +136,22 @@ class LoadTracker:
         eps = list(endpoints)
 
         async def one(ep: Endpoint) -> None:
+            headers = {"Authorization": f"Bearer {ep.api_key}"}
+            if ep.replica not in self.context:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.get(
+                        f"{ep.url}/v1/models",
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=1.0),
+                    ) as resp:
+                        if resp.status == 200:
+                            limit = parse_max_model_len(await resp.read())
+                            if limit is not None:
+                                self.context[ep.replica] = limit
             try:
                 async with http.get(
                     f"{ep.url}/metrics",
-                    headers={"Authorization": f"Bearer {ep.api_key}"},
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(total=1.0),
                 ) as resp:
                     if resp.status == 200:
@@ -127,6 +163,8 @@ class LoadTracker:
         live = {ep.replica for ep in eps}
         for gone in [r for r in self.engine if r not in live]:
             del self.engine[gone]
+        for gone in [r for r in self.context if r not in live]:
+            del self.context[gone]
 
     async def start(
         self,

@@ -32,7 +32,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.gateway.router import HashParams
-from llmgw.controlplane.queries import CHANGE_CHANNEL
+from llmgw.controlplane.queries import CHANGE_CHANNEL, ROUTES_CHANNEL
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger
 
@@ -232,7 +232,8 @@ async def read_routes(session: AsyncSession) -> list[RouteRow]:
 
 
 class RouteCache:
-    """The table, re-read periodically and on NOTIFY; the last good one while Postgres is down."""
+    """The table, re-read on NOTIFY (and every ``refresh_s``, a safety net); the last good one
+    while Postgres is down."""
 
     def __init__(
         self,
@@ -300,9 +301,13 @@ class RouteCache:
                     self._libpq_url, autocommit=True, application_name="llmgw-gateway-routes"
                 )
                 async with conn:
+                    # Admin changes (names, adapters) and route changes (replicas' states).
                     await conn.execute(f"LISTEN {CHANGE_CHANNEL}")
+                    await conn.execute(f"LISTEN {ROUTES_CHANNEL}")
                     failures = 0
                     self.listening.set()
+                    # What changed while no one listened is read now, not a period later.
+                    self._wake.set()
                     async for _note in conn.notifies():
                         self._wake.set()
             except psycopg.Error:

@@ -10,6 +10,7 @@ not non-negative ints count as 0).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,11 +63,18 @@ class Prompt:
     token_ids: list[int] | None = None  # given by the client (completions with token ids)
 
 
+# A usage *object*. Engines may write `"usage":null` into every chunk of a stream that asked
+# for usage (OpenAI's own API does), and decoding each of those to find the one that matters
+# cost more than the rest of the relay. Inside a JSON string the quotes are escaped, so no
+# generated text can match.
+_USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
+
+
 def filter_events(
     events: bytes, state: StreamState, client_usage: bool, clock: Callable[[], float]
 ) -> bytes:
     """Count content chunks, capture the usage chunk and drop it when not asked for."""
-    if b'"usage"' not in events:
+    if _USAGE_OBJECT.search(events) is None:
         n = events.count(b"data: {")
         if n and state.first_at is None:
             state.first_at = clock()
@@ -76,7 +84,7 @@ def filter_events(
     for event in events.split(b"\n\n"):
         if not event:
             continue
-        if event.startswith(b"data: {") and b'"usage"' in event:
+        if event.startswith(b"data: {") and _USAGE_OBJECT.search(event) is not None:
             try:
                 obj = json.loads(event[6:])
             except ValueError:
@@ -160,12 +168,28 @@ def _int(value: object) -> int:
     return value if type(value) is int and value >= 0 else 0
 
 
-def reserve_tokens(body: Mapping[str, Any], chat: bool, settings: GatewaySettings) -> int:
+def reserve_tokens(
+    body: Mapping[str, Any],
+    chat: bool,
+    settings: GatewaySettings,
+    *,
+    context_limit: int | None = None,
+    prompt_tokens: int = 0,
+) -> int:
+    """Completion tokens to reserve: what the request asks for, else what the engine may
+    generate without a limit: for chat, the model's context length (``context_limit``,
+    from the replicas' /v1/models) less the prompt, or ``gateway.default_max_tokens``
+    while that is not known; for completions, OpenAI's (and vLLM's) default of 16."""
     wanted = body.get("max_completion_tokens") if chat else None
     if wanted is None:
         wanted = body.get("max_tokens")
     if type(wanted) is not int or wanted < 0:
-        wanted = settings.default_max_tokens if chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
+        if not chat:
+            wanted = _COMPLETIONS_DEFAULT_MAX_TOKENS
+        elif context_limit is not None:
+            wanted = max(1, context_limit - prompt_tokens)
+        else:
+            wanted = settings.default_max_tokens
     n = body.get("n")
     copies = n if type(n) is int and n > 0 else 1
     return int(wanted) * copies
