@@ -135,29 +135,28 @@ class LoadTracker:
     async def scrape(self, http: aiohttp.ClientSession, endpoints: Iterable[Endpoint]) -> None:
         eps = list(endpoints)
 
-        async def one(ep: Endpoint) -> None:
-            headers = {"Authorization": f"Bearer {ep.api_key}"}
-            if ep.replica not in self.context:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with http.get(
-                        f"{ep.url}/v1/models",
-                        headers=headers,
-                        timeout=aiohttp.ClientTimeout(total=1.0),
-                    ) as resp:
-                        if resp.status == 200:
-                            limit = parse_max_model_len(await resp.read())
-                            if limit is not None:
-                                self.context[ep.replica] = limit
+        async def fetch(ep: Endpoint, path: str) -> bytes | None:
+            """The body of a 200, else None: passive health judges requests, and a missed
+            scrape keeps the last value."""
             try:
                 async with http.get(
-                    f"{ep.url}/metrics",
-                    headers=headers,
+                    f"{ep.url}{path}",
+                    headers={"Authorization": f"Bearer {ep.api_key}"},
                     timeout=aiohttp.ClientTimeout(total=1.0),
                 ) as resp:
-                    if resp.status == 200:
-                        self.engine[ep.replica] = parse_engine_load(await resp.read())
+                    return await resp.read() if resp.status == 200 else None
             except (aiohttp.ClientError, TimeoutError):
-                pass  # passive health judges requests; a missed scrape keeps the last value
+                return None
+
+        async def one(ep: Endpoint) -> None:
+            if ep.replica not in self.context:
+                models = await fetch(ep, "/v1/models")
+                limit = parse_max_model_len(models) if models is not None else None
+                if limit is not None:
+                    self.context[ep.replica] = limit
+            metrics = await fetch(ep, "/metrics")
+            if metrics is not None:
+                self.engine[ep.replica] = parse_engine_load(metrics)
 
         await asyncio.gather(*(one(ep) for ep in eps))
         live = {ep.replica for ep in eps}
