@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from llmgw.logs import get_logger
 
-__all__ = ["freeze_heap", "run"]
+__all__ = ["freeze_heap", "run", "wait_event"]
 
 T = TypeVar("T")
 
@@ -48,3 +48,19 @@ def freeze_heap() -> None:
         objects=gc.get_freeze_count(),
         ms=round((time.perf_counter() - start) * 1000, 1),
     )
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for ``event`` at most ``timeout_s``; whether it was set.
+
+    ``asyncio.timeout``, not ``asyncio.wait_for``: on Python 3.11, ``wait_for`` loses a
+    cancellation that arrives as the event is set (CPython gh-86296), and a loop stopped by
+    ``cancel()`` then never stops. A route cache woken by a NOTIFY at the moment the gateway
+    shut down hung its shutdown this way (found by tests/gateway/test_gateway_routes.py).
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

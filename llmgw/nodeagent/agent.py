@@ -10,7 +10,6 @@ adopts what runs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ from llmgw.config import AgentSettings
 from llmgw.engines import EngineRegistry, EnginesConfig, SimConfig, base_env_from
 from llmgw.engines.engine import host_port
 from llmgw.errors import ConfigError
+from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient
 from llmgw.nodeagent.inventory import (
@@ -387,8 +387,7 @@ class Agent:
             except Exception:
                 log.exception("supervisor_pass_failed")
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+            await wait_event(self._wake, interval)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.state.ensure()

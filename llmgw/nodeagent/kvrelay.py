@@ -32,6 +32,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 from llmgw.nodeagent.kvrelay_ingest import Feed, FrameFilter, IngestThread, WatchSpec
 from llmgw.nodeagent.kvrelay_metrics import RelayMetrics
@@ -291,8 +292,7 @@ class KvRelay:
                 if picked is None:
                     inst.wake.clear()
                     wait_s = self._next_due(inst, feeds, now)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(inst.wake.wait(), timeout=wait_s)
+                    await wait_event(inst.wake, wait_s)
                     continue
                 inst.idle = False
                 shard_id, feed, keepalive = picked

@@ -66,6 +66,7 @@ from typing import Literal
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 
 __all__ = [
@@ -481,8 +482,7 @@ class UsageRecorder:
                 delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures)
             else:
                 delay = self._flush_interval_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=delay)
+            await wait_event(self._kick, delay)
             self._kick.clear()
             try:
                 await self.flush()

@@ -42,6 +42,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from llmgw.controlplane.agentapi.credentials import secret_sha256
 from llmgw.controlplane.gateway.errors import GatewayError
 from llmgw.controlplane.tables import ApiKey
+from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 
 __all__ = [
@@ -270,8 +271,7 @@ class KeyCache:
                 delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures)
             else:
                 delay = self._refresh_interval_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            await wait_event(self._wake, delay)
             # Cleared before reading: a change committed during the read wakes us again.
             self._wake.clear()
             try:

@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.gateway.router import HashParams
 from llmgw.controlplane.queries import CHANGE_CHANNEL, ROUTES_CHANNEL
+from llmgw.eventloop import wait_event
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger
 
@@ -287,8 +288,7 @@ class RouteCache:
 
     async def _run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.refresh_s)
+            await wait_event(self._wake, self.refresh_s)
             self._wake.clear()
             await self._refresh_quietly()
 
