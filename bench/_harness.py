@@ -182,10 +182,9 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+CP_LOG_ENV = {"LLMGW_LOG__JSON": "true", "LLMGW_LOG__LEVEL": "warning"}
 # Short periods so a fleet settles in seconds (as the end-to-end tests run it).
-CP_ENV = {
-    "LLMGW_LOG__JSON": "true",
-    "LLMGW_LOG__LEVEL": "warning",
+CP_SHORT_PERIODS = {
     "LLMGW_CONTROLPLANE__RECONCILE__TICK_S": "0.5",
     "LLMGW_CONTROLPLANE__RECONCILE__SYNC_PERIOD_S": "0.5",
     "LLMGW_CONTROLPLANE__RECONCILE__NODE_GRACE_S": "5",
@@ -207,6 +206,7 @@ class ControlPlane:
     internal_port: int = field(default_factory=free_port)
     public_port: int = field(default_factory=free_port)
     proc: Proc | None = None
+    short_periods: bool = True  # False: the control plane's own (production) periods
 
     @property
     def url(self) -> str:
@@ -222,7 +222,7 @@ class ControlPlane:
         return self.proc.pid
 
     def start(self, **env: str) -> ControlPlane:
-        full = base_env(**CP_ENV)
+        full = base_env(**CP_LOG_ENV, **(CP_SHORT_PERIODS if self.short_periods else {}))
         full.update(
             LLMGW_CONTROLPLANE__DATABASE_URL=self.db_url,
             LLMGW_CONTROLPLANE__ADMIN_TOKEN=self.admin_token,
@@ -296,8 +296,10 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def controlplane(self, name: str, **env: str) -> ControlPlane:
-        cp = ControlPlane(name, self.db_url, self.admin_token, self.tmp)
+    def controlplane(self, name: str, *, short_periods: bool = True, **env: str) -> ControlPlane:
+        cp = ControlPlane(
+            name, self.db_url, self.admin_token, self.tmp, short_periods=short_periods
+        )
         self.controlplanes.append(cp)
         return cp.start(**env)
 

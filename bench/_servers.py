@@ -7,8 +7,8 @@ also answers what the gateway asks of an engine through an agent's proxy: ``/hea
 ``/metrics`` (vLLM's gauge names, with its real in-flight count, so least-loaded sees load)
 and ``/tokenize``. Paths are matched by suffix, so it serves the same answers under the agent
 proxy's ``/shards/<id>`` prefix that the control plane hands the gateway as ``proxy_url``.
-With ``--key`` it refuses requests without ``Authorization: Bearer <key>`` (401), as an
-engine behind an agent does.
+With ``CANNED_API_KEY`` in its environment (a secret: never on argv) it refuses requests
+without ``Authorization: Bearer <key>`` (401), as an engine behind an agent does.
 
 ``floor``: the minimal pass-through proxy, the floor any Python gateway is measured against:
 the same server stack (uvicorn + uvloop + httptools, raw ASGI), one pooled upstream client
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -281,7 +282,6 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("canned")
     c.add_argument("--chunks", type=int, default=16)
     c.add_argument("--chunk-interval-ms", type=float, default=0.0)
-    c.add_argument("--key", default="")
     f = sub.add_parser("floor")
     f.add_argument("--upstream", required=True)
     f.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp")
@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     app: App
     if args.kind == "canned":
         app = canned_app(
-            chunks=args.chunks, chunk_interval_s=args.chunk_interval_ms / 1e3, key=args.key
+            chunks=args.chunks,
+            chunk_interval_s=args.chunk_interval_ms / 1e3,
+            key=os.environ.get("CANNED_API_KEY", ""),
         )
     else:
         app = floor_app(upstream=args.upstream.rstrip("/"), client=args.client)

@@ -319,14 +319,9 @@ def _setup_gateway(stack: Stack, canned_port: int) -> tuple[ControlPlane, StubAg
     # at `info` is work every production request pays.
     cp = stack.controlplane(
         "controlplane",
+        short_periods=False,
         LLMGW_GATEWAY__ROUTING_POLICY="least_loaded",
-        LLMGW_LOG__LEVEL=os.environ.get("BENCH_LOG_LEVEL", "info"),
-        LLMGW_CONTROLPLANE__RECONCILE__TICK_S="2",
-        LLMGW_CONTROLPLANE__RECONCILE__SYNC_PERIOD_S="2",
-        LLMGW_CONTROLPLANE__RECONCILE__NODE_GRACE_S="30",
-        LLMGW_CONTROLPLANE__AGENT_API__NODE_REFRESH_S="0.5",
-        LLMGW_CONTROLPLANE__AGENT_API__HEARTBEAT_FLUSH_S="1",
-        LLMGW_CONTROLPLANE__AGENT_API__INSTANCE_HEARTBEAT_S="3",
+        LLMGW_LOG__LEVEL="info",
     )
     cp.admin("POST", "/models", {"name": MODEL})
     cp.admin(
@@ -360,14 +355,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     agent: StubAgent | None = None
     try:
         canned_port = free_port()
-        env = base_env()
         # The canned upstream starts once the reconciler has made the shard's engine key,
         # which it then demands; the stub agent already names its URL.
         cp, agent, engine_key, api_key = _setup_gateway(stack, canned_port)
+        # The key in the environment, never on argv (where `ps` shows it).
+        env = base_env(CANNED_API_KEY=engine_key)
         canned = stack.spawn(
             "canned",
             [sys.executable, SERVERS, "canned", "--port", str(canned_port),
-             "--chunks", str(args.chunks), "--key", engine_key],
+             "--chunks", str(args.chunks)],
             env,
         )  # fmt: skip
         direct_url = f"http://127.0.0.1:{canned_port}"
@@ -455,8 +451,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paced = stack.spawn(
             "canned-paced",
             [sys.executable, SERVERS, "canned", "--port", str(paced_port),
-             "--chunks", str(args.timing_chunks), "--chunk-interval-ms", str(args.interval_ms),
-             "--key", engine_key],
+             "--chunks", str(args.timing_chunks), "--chunk-interval-ms", str(args.interval_ms)],
             env,
         )  # fmt: skip
         paced_url = f"http://127.0.0.1:{paced_port}"

@@ -46,10 +46,7 @@ def suspend(
 ) -> None:
     """Keep the replicas placed with their engines suspended (stopped where they cannot sleep)."""
     with admin_client(url, admin_token, data_dir) as client:
-        client.request(
-            "POST",
-            f"/deployments/{name}/suspend",
-        )
+        client.request("POST", f"/deployments/{name}/suspend")
     typer.echo(f"deployment/{name} suspended")
 
 
@@ -63,8 +60,5 @@ def resume(
 ) -> None:
     """Bring a suspended deployment's engines back."""
     with admin_client(url, admin_token, data_dir) as client:
-        client.request(
-            "POST",
-            f"/deployments/{name}/resume",
-        )
+        client.request("POST", f"/deployments/{name}/resume")
     typer.echo(f"deployment/{name} resumed")

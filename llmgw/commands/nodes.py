@@ -24,11 +24,7 @@ NodeName = Annotated[str, typer.Argument(help="The node's name (llmgw get nodes)
 
 def _post(verb: str, name: str, url: str | None, token: str | None, data_dir: Path | None) -> None:
     with admin_client(url, token, data_dir) as client:
-        # An empty JSON object: the internal listener refuses a POST that is not JSON.
-        client.request(
-            "POST",
-            f"/nodes/{name}/{verb}",
-        )
+        client.request("POST", f"/nodes/{name}/{verb}")
 
 
 @app.command()

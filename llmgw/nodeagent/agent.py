@@ -25,7 +25,6 @@ from llmgw.config import AgentSettings
 from llmgw.engines import EngineRegistry, EnginesConfig, SimConfig, base_env_from
 from llmgw.engines.engine import host_port
 from llmgw.errors import ConfigError
-from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient
 from llmgw.nodeagent.inventory import (
@@ -387,7 +386,7 @@ class Agent:
             except Exception:
                 log.exception("supervisor_pass_failed")
             self._wake.clear()
-            await wait_event(self._wake, interval)
+            await eventloop.wait_event(self._wake, interval)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.state.ensure()

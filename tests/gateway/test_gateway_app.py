@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import openai
 import pytest
@@ -31,6 +34,7 @@ from support.procs import free_port, wait_for
 
 from llmgw.config import GatewaySettings
 from llmgw.controlplane.gateway.routes import ModelRoute, RouteTable
+from llmgw.controlplane.gateway.upstream import read_capped
 from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
 
 pytestmark = pytest.mark.timeout(60)
@@ -503,9 +507,6 @@ def test_a_client_that_stops_reading_holds_the_engine_back_not_the_gateways_memo
     the client took the previous one, so a client that reads nothing stops the engine's
     stream after what the sockets' buffers and the two bounded relay buffers (aiohttp's
     64 KiB read buffer, uvicorn's write high-water mark) hold, not after 128 MiB."""
-    import socket
-    import time
-
     firehose = _Firehose(total_mib=128)
     with (
         serve_asgi(firehose) as upstream,
@@ -548,3 +549,30 @@ def test_a_client_that_stops_reading_holds_the_engine_back_not_the_gateways_memo
             assert received > firehose.sent  # plus headers and chunked framing
         finally:
             client.close()
+
+
+async def _sized(scope: Any, receive: Any, send: Any) -> None:
+    """``/<n>`` answers n bytes, chunked (no length declared) unless the query says ``declared``."""
+    if scope["type"] != "http":
+        return
+    n = int(scope["path"].strip("/"))
+    headers = [(b"content-length", str(n).encode())] if scope["query_string"] else []
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    for _ in range(n // 65536):
+        await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+    await send({"type": "http.response.body", "body": b"x" * (n % 65536)})
+
+
+def test_bodies_the_gateway_reads_from_an_engine_are_capped() -> None:
+    """What the gateway reads for itself (metrics, models, the proxy's errors) stops at its
+    cap, declared or streamed; what fits is read whole."""
+
+    async def read(url: str) -> bytes | None:
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
+            return await read_capped(resp, 1_000_000)
+
+    with serve_asgi(_sized) as base:
+        assert asyncio.run(read(f"{base}/1000000")) == b"x" * 1_000_000
+        assert asyncio.run(read(f"{base}/1000001")) is None
+        assert asyncio.run(read(f"{base}/1000001?declared")) is None
+        assert asyncio.run(read(f"{base}/200000000")) is None  # stops reading, not 200 MB later

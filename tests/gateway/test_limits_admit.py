@@ -39,9 +39,11 @@ def _key(**limits: Any) -> KeyContext:
     return KeyContext(**base)
 
 
-def _setup(recorder: UsageRecorder | None = None) -> tuple[Limiter, UsageRecorder, Clocks]:
+def _setup(sessions: Any = None) -> tuple[Limiter, UsageRecorder, Clocks]:
     clocks = Clocks()
-    rec = recorder or UsageRecorder(sessions=None, clock=lambda: clocks.wall)  # type: ignore[arg-type]
+    # The recorder reads the same fake wall clock as the limiter: on the real clock its
+    # totals would be keyed by the real month, which is not the limiter's once WALL's is over.
+    rec = UsageRecorder(sessions=sessions, clock=lambda: clocks.wall)
     return (
         Limiter(recorder=rec, clock=lambda: clocks.mono, wall_clock=lambda: clocks.wall),
         rec,
@@ -174,8 +176,8 @@ async def test_a_quota_spent_through_another_gateway_is_refused_here(db_url: str
     async with sessions_on(db_url) as sessions:
         key_id, _ = await insert_key(sessions, "shared", quota=1000, period="month")
         key = _key(key_id=key_id, token_quota=1000, quota_period="month")
-        gw1, rec1, _ = _setup(UsageRecorder(sessions=sessions))
-        gw2, rec2, _ = _setup(UsageRecorder(sessions=sessions))
+        gw1, rec1, _ = _setup(sessions)
+        gw2, rec2, _ = _setup(sessions)
         gw1.admit(key, "m", 900).settle(prompt_tokens=800, completion_tokens=100, cached_tokens=0)
         gw2.admit(key, "m", 900).release()  # gw2 has not seen gw1's usage yet
         await rec1.flush()

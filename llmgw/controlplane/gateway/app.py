@@ -66,7 +66,7 @@ from llmgw.controlplane.gateway.router import (
 )
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.controlplane.gateway.tokenize import Tokenizer, tokenize_payload
-from llmgw.controlplane.gateway.upstream import create_client
+from llmgw.controlplane.gateway.upstream import create_client, read_capped
 from llmgw.controlplane.gateway.wire import (
     Admission,
     ClientGone,
@@ -695,6 +695,8 @@ class Gateway(Generic[K]):
 # connect to it (502), or it no longer serves the shard (404, a route table a moment stale).
 # They are the proxy's spelling of a connection error, retried like one.
 _PROXY_UNREACHED = {502: "upstream-unavailable", 404: "not-found"}
+# The proxy's error bodies are a few hundred bytes; a bigger one is not the proxy's.
+_PROXY_ERROR_MAX_BYTES = 64 * 1024
 
 
 async def _proxy_unreached(resp: aiohttp.ClientResponse) -> str | None:
@@ -702,7 +704,7 @@ async def _proxy_unreached(resp: aiohttp.ClientResponse) -> str | None:
     if code is None:
         return None
     try:
-        body = json.loads(await resp.read())
+        body = json.loads(await read_capped(resp, _PROXY_ERROR_MAX_BYTES) or b"")
     except (ValueError, aiohttp.ClientError, TimeoutError):
         return None
     error = body.get("error") if isinstance(body, dict) else None

@@ -25,12 +25,16 @@ from dataclasses import dataclass
 import aiohttp
 
 from llmgw.controlplane.gateway.routes import Endpoint
+from llmgw.controlplane.gateway.upstream import read_capped
 from llmgw.logs import get_logger
 
 __all__ = ["LoadTracker", "RetryBudget", "parse_engine_load", "parse_max_model_len"]
 
 log = get_logger("llmgw.controlplane.gateway")
 
+# An engine's /metrics (vLLM's, with every histogram, is ~100-300 KB) or /v1/models; more is
+# not one, and is not read.
+_SCRAPE_MAX_BYTES = 4 * 2**20
 _LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 
 
@@ -144,7 +148,9 @@ class LoadTracker:
                     headers={"Authorization": f"Bearer {ep.api_key}"},
                     timeout=aiohttp.ClientTimeout(total=1.0),
                 ) as resp:
-                    return await resp.read() if resp.status == 200 else None
+                    return (
+                        await read_capped(resp, _SCRAPE_MAX_BYTES) if resp.status == 200 else None
+                    )
             except (aiohttp.ClientError, TimeoutError):
                 return None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import aiohttp
 
-__all__ = ["READ_BUFSIZE", "create_client"]
+__all__ = ["READ_BUFSIZE", "create_client", "read_capped"]
 
 # Per response: the most a slow client makes the gateway hold (aiohttp pauses the socket).
 READ_BUFSIZE = 64 * 1024
@@ -42,3 +42,20 @@ def create_client(
         read_bufsize=READ_BUFSIZE,
         raise_for_status=False,
     )
+
+
+async def read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body, or None once it passes ``limit`` bytes (read no further): for the
+    small documents the gateway reads from an engine itself (metrics, models, an error),
+    where ``resp.read()`` would hold whatever the other side chose to send."""
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    async for part in resp.content.iter_chunked(READ_BUFSIZE):
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)

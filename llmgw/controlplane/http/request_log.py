@@ -32,6 +32,11 @@ log = structlog.get_logger("llmgw.controlplane.http")
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
+# Request ids are not secrets, only unique enough to find one request's lines: a PRNG seeded
+# once, not a system call per request.
+_ids = random.Random()
+
+
 def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
@@ -39,11 +44,7 @@ def _request_id(scope: Scope) -> str:
             if _CLIENT_ID_RE.match(given):
                 return given
             break
-    # Not a secret, only unique enough to find one request's lines: no system call per request.
     return f"{_ids.getrandbits(64):016x}"
-
-
-_ids = random.Random()
 
 
 class RequestLog:
