@@ -297,4 +297,4 @@ def test_precise_routing_resumes_after_a_control_plane_restart(
 
 def test_gateway_logs_no_secrets(gfleet: GatewayFleet, key: str) -> None:
     text = Path(gfleet.cp.log).read_text(errors="replace")
-    assert key not in text and key.split("_")[-1] not in text
+    assert key not in text and key.split("_", 2)[2] not in text  # the secret may hold "_"
