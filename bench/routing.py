@@ -24,7 +24,8 @@ run left in the caches matches nothing (the caches start full of cold blocks, wh
 treats as empty) and no run inherits another's hits.
 
 Per policy and workload: prefix-cache hit rate = sum(usage.prompt_tokens_details.
-cached_tokens) / sum(usage.prompt_tokens), TTFT p50/p90 (first content chunk), request
+cached_tokens) / sum(usage.prompt_tokens), TTFT p50/p90 (first content chunk; also split
+into requests the engine served mostly from cache and the rest, to show which queue), request
 latency, requests/s and output tokens/s over the replay, and the gateways' own
 ``llmgw_prefix_decisions_total`` by method (to show a policy decided as it claims).
 
@@ -532,6 +533,16 @@ def _measure(replay: Replay, args: argparse.Namespace) -> dict[str, Any]:
         cached += int(details.get("cached_tokens") or 0)
         completion += int(s.result.usage.get("completion_tokens") or 0)
     ttfts = [s.result.ttft_s for s in ok if s.result and s.result.ttft_s is not None]
+    # Split by what the engine had cached (at least half the prompt: a hit): where the slow
+    # tenth comes from, misses queueing or hits queueing behind them.
+    by_hit: dict[bool, list[float]] = {True: [], False: []}
+    for s in ok:
+        assert s.result is not None and s.result.usage is not None
+        if s.result.ttft_s is None:
+            continue
+        details = s.result.usage.get("prompt_tokens_details") or {}
+        hit = 2 * int(details.get("cached_tokens") or 0) >= int(s.result.usage["prompt_tokens"])
+        by_hit[hit].append(s.result.ttft_s)
     return {
         "requests": len(replay.sent),
         "failed": len(failed),
@@ -540,6 +551,8 @@ def _measure(replay: Replay, args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "ttft_ms": summarize(ttfts, digits=1),
+        "ttft_ms_hits": summarize(by_hit[True], digits=1),
+        "ttft_ms_misses": summarize(by_hit[False], digits=1),
         "latency_ms": summarize([s.result.latency_s for s in ok if s.result], digits=1),
         "wall_s": round(replay.wall_s, 2),
         "requests_per_s": round(len(ok) / replay.wall_s, 2) if replay.wall_s else 0.0,

@@ -225,10 +225,19 @@ class GatewaySettings(_Section):
         default=0.5, gt=0, le=30, description="Period of the engines' /metrics scrape."
     )
     load_slack: int = Field(
-        default=4,
+        default=8,
         ge=0,
-        description="A prefix hit may go to a replica whose load (running + waiting + this "
-        "gateway's in-flight) exceeds the least-loaded candidate's by at most this much.",
+        description="Prefix routing considers only replicas whose load (running + waiting "
+        "requests, this gateway's in-flight included) exceeds the least-loaded candidate's "
+        "by at most this much; among them it weighs queued prefill against recomputing.",
+    )
+    recompute_weight: float = Field(
+        default=1.5,
+        ge=1.0,
+        le=10.0,
+        description="How much a prompt token recomputed on a replica that does not hold it "
+        "counts against a token of prefill queued on one that does: above 1 keeps a prefix "
+        "on its holders, since a copy elsewhere evicts other prompts.",
     )
     tokenize_timeout_s: float = Field(
         default=0.02,

@@ -23,8 +23,8 @@ from llmgw.kv import PrefixIndex, block_hashes, hash64
 A, B, C = (Candidate("ra", "sa", 0), Candidate("rb", "sb", 0), Candidate("rc", "sc", 0))
 
 
-def _load(c: Candidate, load: int) -> Candidate:
-    return Candidate(c.replica, c.shard, load)
+def _load(c: Candidate, load: int, work: float = 0.0) -> Candidate:
+    return Candidate(c.replica, c.shard, load, work)
 
 
 # --- decide: the rules ------------------------------------------------------------------------
@@ -81,6 +81,29 @@ def test_decide_rules(
     assert (d.replica, d.method, d.outcome) == (want, method, outcome)
 
 
+@pytest.mark.parametrize(
+    ("works", "shares", "want", "outcome"),
+    [
+        # A holder 1,000 tokens of prefill behind still beats recomputing 1,000 x 1.5.
+        ((1000, 0, 0), (1.0, 0.0, 0.0), "ra", "hit"),
+        # 2,000 behind is worse than recomputing elsewhere: passed over, counted.
+        ((2000, 0, 50), (1.0, 0.0, 0.0), "rb", "overloaded"),
+        # A half-holder with nothing queued beats a full holder with a long queue.
+        ((1400, 0, 300), (1.0, 0.5, 0.0), "rb", "overloaded"),
+        # A miss goes where the least prefill is queued, whatever the request counts say.
+        ((900, 100, 400), (0.0, 0.0, 0.0), "rb", "miss"),
+    ],
+)
+def test_a_prefix_is_worth_the_wait_only_while_waiting_is_cheaper_than_recomputing(
+    works: tuple[float, float, float], shares: tuple[float, ...], want: str, outcome: str
+) -> None:
+    # Request counts point the other way (rb is the busiest): work decides among eligible.
+    cands = [_load(A, 0, works[0]), _load(B, 3, works[1]), _load(C, 1, works[2])]
+    precise = dict(zip(("ra", "rb", "rc"), shares, strict=True))
+    d = decide(cands, policy="auto", precise=precise, prompt_tokens=1000, recompute_weight=1.5)
+    assert (d.replica, d.outcome) == (want, outcome)
+
+
 def test_forced_policies() -> None:
     cands = [C, A, B]
     rr = [decide(cands, policy="round_robin", rotation=i).replica for i in range(6)]
@@ -112,31 +135,44 @@ def test_decide_needs_a_candidate() -> None:
 
 
 @st.composite
-def _world(draw: st.DrawFn) -> tuple[list[Candidate], dict[str, float], int]:
+def _world(draw: st.DrawFn) -> tuple[list[Candidate], dict[str, float], int, int]:
     n = draw(st.integers(1, 6))
-    cands = [Candidate(f"r{i}", f"s{i}", draw(st.integers(0, 20))) for i in range(n)]
+    cands = [
+        Candidate(f"r{i}", f"s{i}", draw(st.integers(0, 20)), draw(st.sampled_from([0, 500, 2e3])))
+        for i in range(n)
+    ]
     shares = {c.replica: draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) for c in cands}
-    return cands, shares, draw(st.integers(0, 6))
+    return cands, shares, draw(st.integers(0, 6)), draw(st.sampled_from([0, 100, 1000, 4000]))
 
 
 @given(_world(), st.integers(0, 100))
-def test_a_hit_never_goes_to_an_overloaded_replica(
-    world: tuple[list[Candidate], dict[str, float], int], rotation: int
+def test_a_request_goes_where_it_waits_and_recomputes_least(
+    world: tuple[list[Candidate], dict[str, float], int, int], rotation: int
 ) -> None:
-    cands, shares, slack = world
-    d = decide(cands, policy="auto", precise=shares, load_slack=slack, rotation=rotation)
+    cands, shares, slack, tokens = world
+    d = decide(
+        cands,
+        policy="auto",
+        precise=shares,
+        load_slack=slack,
+        prompt_tokens=tokens,
+        recompute_weight=1.5,
+        rotation=rotation,
+    )
     low = min(c.load for c in cands)
+    eligible = [c for c in cands if c.load <= low + slack]
     chosen = next(c for c in cands if c.replica == d.replica)
-    if d.share > 0:
-        assert chosen.load <= low + slack
-        # ... and nothing eligible holds more.
-        eligible = [c for c in cands if c.load <= low + slack]
-        assert d.share == max(shares[c.replica] for c in eligible)
-    else:
-        # No eligible holder: the least-loaded (among eligible) takes it.
-        assert chosen.load <= low + slack
+    assert chosen in eligible  # never a replica past the request guard
+
+    def cost(c: Candidate) -> float:
+        return c.work + (1 - shares[c.replica]) * tokens * 1.5
+
+    assert cost(chosen) == min(cost(c) for c in eligible)
+    # ... and of the cheapest, one holding the most.
+    assert shares[d.replica] == max(shares[c.replica] for c in eligible if cost(c) == cost(chosen))
     assert d.outcome in ("hit", "miss", "overloaded")
     assert (d.outcome == "miss") == (max(shares.values()) == 0)
+    assert (d.outcome == "hit") == (0 < shares[d.replica] == max(shares.values()))
 
 
 # --- precise_shares over the real index ----------------------------------------------------------

@@ -50,6 +50,16 @@ def test_filter_events_counts_and_strips_usage_unless_asked() -> None:
     kept = StreamState()
     assert filter_events(chunk + usage + done, kept, True, lambda: 3.0) == chunk + usage + done
     assert kept.usage == USAGE and kept.chunks == 1
+    # A role-only chunk (sent before the prefill) is not a first token; a finish is.
+    role = _event({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    empty_finish = _event({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+    tool = _event({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})
+    for token, at in ((chunk, 5.0), (empty_finish, 6.0), (tool, 7.0)):
+        timed = StreamState()
+        assert filter_events(role, timed, False, lambda: 4.0) == role
+        assert timed.first_at is None and timed.chunks == 1
+        filter_events(token + usage, timed, False, lambda t=at: t)  # type: ignore[misc]
+        assert timed.first_at == at
     # A chunk with "usage": null is content, not the usage chunk.
     nulls = StreamState()
     with_null = _event({"choices": [{"text": "b"}], "usage": None})

@@ -121,6 +121,7 @@ K = TypeVar("K", bound=KeyInfo)
 class _Attempt:
     ep: Endpoint
     resp: aiohttp.ClientResponse
+    prefill: float  # prompt tokens the replica computes, counted as its work until the 1st token
 
 
 @dataclass
@@ -319,6 +320,7 @@ class Gateway(Generic[K]):
             self.budget.deposit()
             candidates = self._candidates(route, exclude=())
             decision, tokens = await self._route(route, candidates, body, prompt, salt, scope, chat)
+            prompt_tokens = len(tokens) if tokens is not None else prompt_estimate
             payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             self.metrics.in_flight.inc()
             # A client that leaves while the engine works (a non-streamed answer's headers
@@ -328,12 +330,16 @@ class Gateway(Generic[K]):
             try:
                 try:
                     attempt = await self._send_upstream(
-                        route, decision.replica, payload, scope["path"]
+                        route,
+                        decision.replica,
+                        payload,
+                        scope["path"],
+                        prefill=(1.0 - decision.share) * prompt_tokens,
+                        prompt_tokens=prompt_tokens,
                     )
                 except BaseException:
                     self.metrics.in_flight.dec()
                     raise
-                prompt_tokens = len(tokens) if tokens is not None else prompt_estimate
                 replica = attempt.ep.replica
                 try:
                     if stream and attempt.resp.status == 200:
@@ -343,7 +349,7 @@ class Gateway(Generic[K]):
                     else:
                         await self._relay_whole(attempt, send, admission, route, t0)
                 finally:
-                    self.load.finished(replica)
+                    self.load.finished(replica, attempt.prefill)
                     self.metrics.in_flight.dec()
                     attempt.resp.release()
             except asyncio.CancelledError:
@@ -407,7 +413,11 @@ class Gateway(Generic[K]):
         chat: bool,
     ) -> tuple[Decision, list[int] | None]:
         policy = self.settings.routing_policy
-        cands = [Candidate(ep.replica, ep.shard, self.load.load(ep.replica)) for ep in eps]
+        load = self.load
+        cands = [
+            Candidate(ep.replica, ep.shard, load.load(ep.replica), load.work(ep.replica))
+            for ep in eps
+        ]
         self._rotation += 1
         session = header(scope, b"x-session-id") or (
             body.get("user") if isinstance(body.get("user"), str) else None
@@ -432,6 +442,10 @@ class Gateway(Generic[K]):
             precise=precise,
             approximate=approx,
             load_slack=self.settings.load_slack,
+            prompt_tokens=len(tokens)
+            if tokens is not None
+            else len(prompt.text) // _CHARS_PER_TOKEN,
+            recompute_weight=self.settings.recompute_weight,
             session=session,
             rotation=self._rotation,
             pick=self._random.random(),
@@ -515,8 +529,18 @@ class Gateway(Generic[K]):
     # --- upstream ------------------------------------------------------------------------
 
     async def _send_upstream(
-        self, route: ModelRoute, replica: str, payload: bytes, path: str
+        self,
+        route: ModelRoute,
+        replica: str,
+        payload: bytes,
+        path: str,
+        *,
+        prefill: float,
+        prompt_tokens: int,
     ) -> _Attempt:
+        """Send to ``replica``, retried once elsewhere on a connection error or a 503 before
+        any header. ``prefill``: what of the prompt ``replica`` computes (a retry's replica
+        is taken to compute all ``prompt_tokens``)."""
         assert self._http is not None
         ep = next(e for e in route.endpoints if e.replica == replica)
         tried: list[str] = []
@@ -525,7 +549,7 @@ class Gateway(Generic[K]):
             why: str
             # Counted from before the request is sent: a non-streamed answer's headers come
             # only when it is complete, and the replica is busy with it all along.
-            self.load.started(ep.replica)
+            self.load.started(ep.replica, prefill)
             try:
                 resp = await self._http.post(
                     ep.url + path,
@@ -537,29 +561,29 @@ class Gateway(Generic[K]):
                     allow_redirects=False,
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                self.load.finished(ep.replica)
+                self.load.finished(ep.replica, prefill)
                 why, kind = "connection refused, unreachable or timed out", "connect"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # The request may have reached the engine: never retried (it may be running).
-                self.load.finished(ep.replica)
+                self.load.finished(ep.replica, prefill)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
                 self._failed(route, ep, kind)
                 raise upstream_failed(route.name, type(exc).__name__) from None
             except BaseException:  # cancelled: the count must not leak
-                self.load.finished(ep.replica)
+                self.load.finished(ep.replica, prefill)
                 raise
             else:
                 try:
                     unreached = await _proxy_unreached(resp)
                 except BaseException:
                     resp.release()
-                    self.load.finished(ep.replica)
+                    self.load.finished(ep.replica, prefill)
                     raise
                 if resp.status != 503 and unreached is None:
                     self.load.succeeded(ep.replica)
-                    return _Attempt(ep, resp)
+                    return _Attempt(ep, resp, prefill)
                 resp.release()
-                self.load.finished(ep.replica)
+                self.load.finished(ep.replica, prefill)
                 why = unreached or "the replica answered 503"
                 kind = "connect" if unreached else "status"
             self._failed(route, ep, kind)
@@ -571,6 +595,7 @@ class Gateway(Generic[K]):
                 others,
                 key=lambda e: (self.load.failures(e.replica), self.load.load(e.replica), e.replica),
             )
+            prefill = float(prompt_tokens)
 
     def _failed(self, route: ModelRoute, ep: Endpoint, kind: str) -> None:
         self.metrics.inc(self.metrics.upstream_errors, route.name, ep.replica, kind)
@@ -618,7 +643,7 @@ class Gateway(Generic[K]):
         prompt_tokens: int,
         t0: float,
     ) -> None:
-        resp, ep = attempt.resp, attempt.ep
+        ep = attempt.ep
         state = StreamState()
         await send(
             {
@@ -632,7 +657,7 @@ class Gateway(Generic[K]):
             }
         )
         try:
-            await self._pump(resp, send, state, client_usage, route, ep)
+            await self._pump(attempt, send, state, client_usage, route)
         except asyncio.CancelledError:
             if not watch.caused_cancel():
                 raise
@@ -654,13 +679,13 @@ class Gateway(Generic[K]):
 
     async def _pump(
         self,
-        resp: aiohttp.ClientResponse,
+        attempt: _Attempt,
         send: Send,
         state: StreamState,
         client_usage: bool,
         route: ModelRoute,
-        ep: Endpoint,
     ) -> None:
+        resp, ep = attempt.resp, attempt.ep
         pending = b""
         try:
             async for data in resp.content.iter_any():
@@ -670,6 +695,10 @@ class Gateway(Generic[K]):
                     continue
                 events, pending = pending[: cut + 2], pending[cut + 2 :]
                 out = filter_events(events, state, client_usage, self.clock)
+                if attempt.prefill and state.first_at is not None:
+                    # The first token: this prompt's prefill no longer queues anyone.
+                    self.load.prefilled(ep.replica, attempt.prefill)
+                    attempt.prefill = 0.0
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:

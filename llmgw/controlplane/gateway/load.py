@@ -1,11 +1,18 @@
 """Replica load and passive health, as the router reads them.
 
-Load of a replica = requests its engine reports running + waiting (``vllm:num_requests_running``
-+ ``vllm:num_requests_waiting``, scraped from the engine's /metrics through the agent proxy every
-``scrape_s``; the simulator exports the same names) + this gateway's in-flight requests to it.
-The in-flight count is exact and immediate; the scrape adds what other gateways sent. Between
-two scrapes a burst from this gateway is seen through its in-flight count, so a burst is not
-piled on one replica waiting for the next scrape.
+Load of a replica, in requests = this gateway's in-flight requests to it + the others its
+engine reports (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, scraped from the
+engine's /metrics through the agent proxy every ``scrape_s``, less this gateway's own in-flight
+at that scrape; the simulator exports the same names). The in-flight count is exact and
+immediate; the scrape adds what other gateways sent. Between two scrapes a burst from this
+gateway is seen through its in-flight count, so a burst is not piled on one replica waiting
+for the next scrape.
+
+Work of a replica, in prompt tokens = the prefill still queued there: each of this gateway's
+requests counts the part of its prompt the engine must compute (its length less the share
+the router found held) until its first token arrives; each request of another gateway counts
+the mean of this gateway's recent requests (an engine reports counts, not tokens). The router
+weighs work against recomputing a prompt (router.py).
 
 Passive health: ``eject_after`` consecutive failures (connection errors, 5xx before a header)
 eject a replica for ``eject_for_s``; any success resets the count. Ejected replicas are not
@@ -36,6 +43,8 @@ log = get_logger("llmgw.controlplane.gateway")
 # not one, and is not read.
 _SCRAPE_MAX_BYTES = 4 * 2**20
 _LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+# Weight of each new request in the running mean of prefill per request (~the last 20).
+_MEAN_WEIGHT = 0.05
 
 
 def parse_engine_load(body: bytes) -> int:
@@ -85,19 +94,48 @@ class LoadTracker:
         self.eject_for_s = eject_for_s
         self._clock = clock
         self.in_flight: dict[str, int] = {}
+        # replica -> what its engine reported running + waiting, and this gateway's in-flight
+        # when it did (so its own requests are not counted twice).
         self.engine: dict[str, int] = {}
+        self._own_at_scrape: dict[str, int] = {}
+        # replica -> prompt tokens of this gateway's requests not yet past their prefill.
+        self.prefill: dict[str, float] = {}
+        self.mean_prefill = 0.0  # prompt tokens per request of ours, a running mean
         # replica -> its context length (max_model_len), asked once per replica.
         self.context: dict[str, int] = {}
         self._health: dict[str, _Health] = {}
         self._task: asyncio.Task[None] | None = None
 
+    def others(self, replica: str) -> int:
+        """Requests on the replica that other gateways sent, as of the last scrape."""
+        return max(0, self.engine.get(replica, 0) - self._own_at_scrape.get(replica, 0))
+
     def load(self, replica: str) -> int:
-        return self.engine.get(replica, 0) + self.in_flight.get(replica, 0)
+        return self.in_flight.get(replica, 0) + self.others(replica)
 
-    def started(self, replica: str) -> None:
+    def work(self, replica: str) -> float:
+        return self.prefill.get(replica, 0.0) + self.others(replica) * self.mean_prefill
+
+    def started(self, replica: str, prefill: float = 0.0) -> None:
+        """A request was sent; ``prefill``: the prompt tokens it makes the engine compute."""
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        if prefill > 0:
+            self.prefill[replica] = self.prefill.get(replica, 0.0) + prefill
+        self.mean_prefill += _MEAN_WEIGHT * (prefill - self.mean_prefill)
 
-    def finished(self, replica: str) -> None:
+    def prefilled(self, replica: str, prefill: float) -> None:
+        """The request's first token arrived: its prefill no longer queues anyone."""
+        if prefill <= 0:
+            return
+        left = self.prefill.get(replica, 0.0) - prefill
+        if left > 0.5:
+            self.prefill[replica] = left
+        else:
+            self.prefill.pop(replica, None)
+
+    def finished(self, replica: str, prefill: float = 0.0) -> None:
+        """The request ended; ``prefill``: what of it was not yet counted off as prefilled."""
+        self.prefilled(replica, prefill)
         left = self.in_flight.get(replica, 0) - 1
         if left > 0:
             self.in_flight[replica] = left
@@ -163,11 +201,13 @@ class LoadTracker:
             metrics = await fetch(ep, "/metrics")
             if metrics is not None:
                 self.engine[ep.replica] = parse_engine_load(metrics)
+                self._own_at_scrape[ep.replica] = self.in_flight.get(ep.replica, 0)
 
         await asyncio.gather(*(one(ep) for ep in eps))
         live = {ep.replica for ep in eps}
         for gone in [r for r in self.engine if r not in live]:
             del self.engine[gone]
+            self._own_at_scrape.pop(gone, None)
         for gone in [r for r in self.context if r not in live]:
             del self.context[gone]
 

@@ -6,13 +6,22 @@ approximate shares (from ``ApproxTree``), the policy, and tie-break inputs. Outp
 ``Decision``: the replica, the method that decided and the outcome, for
 ``llmgw_prefix_decisions_total{model,method,outcome}``.
 
-The load rule (every prefix tier): a replica is *eligible* for a hit when its load (running +
-waiting requests its engine reports, plus this gateway's in-flight requests to it) is at most
-the least-loaded candidate's load plus ``load_slack``. Among eligible replicas the one holding
-the longest share of the prompt's leading blocks wins; ties go to session affinity, then to
-the lower load, then rotate. So a cache hit never queues behind more than ``load_slack``
-requests that another replica would not have made it wait for. When the best holder is not
-eligible the outcome is ``overloaded`` (counted: a fleet that is too small shows up there).
+The load rule (every prefix tier) weighs waiting against recomputing, in prompt tokens. A
+candidate's *work* is the prefill still queued on it (this gateway's requests that have not
+had their first token, each at the part of its prompt the engine had to compute, plus what
+other gateways sent, estimated from the engine's request count); a request sent there waits
+for that, then computes the part of its own prompt the replica does not hold. The cost of a
+candidate is ``work + (1 - share) * prompt_tokens * recompute_weight``, and the cheapest
+wins; ties go to the longer share, the lower load, session affinity, then rotation. So a hit
+never waits behind more prefill than recomputing the prompt elsewhere would cost, and a miss
+goes where the least prefill is queued, not merely the fewest requests: a request count
+treats a 40-token hit and a 2,000-token miss alike. ``recompute_weight`` above 1 keeps a
+prefix on its holders a little longer, because a copy elsewhere evicts other prompts. A
+guard in requests remains: only replicas whose load (running + waiting + this gateway's
+in-flight) is within ``load_slack`` of the least-loaded's are eligible (a replica full of
+long decodes has no queued prefill but no free slot either). When a holder of the longest
+share is passed over the outcome is ``overloaded`` (counted: a fleet that is too small shows
+up there).
 
 Precise scoring: replicas whose view is complete (``complete`` below: a full copy arrived and
 the view is not partial) are scored from the KV index; the others by the approximate tree. A
@@ -67,6 +76,7 @@ class Candidate:
     replica: str
     shard: str  # the rank-0 shard: its KV view's name in the index
     load: int  # running + waiting (engine) + this gateway's in-flight
+    work: float = 0.0  # prompt tokens queued for prefill ahead of a new request (estimated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +115,9 @@ def decide(
     policy: Policy,
     precise: Mapping[str, float] | None = None,
     approximate: Mapping[str, float] | None = None,
-    load_slack: int = 4,
+    load_slack: int = 8,
+    prompt_tokens: int = 0,
+    recompute_weight: float = 1.5,
     session: str | None = None,
     rotation: int = 0,
     pick: float = 0.0,
@@ -114,8 +126,10 @@ def decide(
 
     ``precise``: replica -> share, for replicas scored from a complete KV view (None: precise
     was not attempted). ``approximate``: replica -> share from the approximate tree (None: not
-    consulted). ``rotation``: a counter for round-robin and tie rotation; ``pick`` in [0, 1)
-    for the random policy.
+    consulted). ``prompt_tokens``: the prompt's length (tokenized or estimated), what a miss
+    costs to compute; 0 leaves the share alone to decide among eligible replicas of equal
+    work. ``rotation``: a counter for round-robin and tie rotation; ``pick`` in [0, 1) for
+    the random policy.
     """
     if not candidates:
         raise ValueError("decide needs at least one candidate")
@@ -153,20 +167,22 @@ def decide(
         shares = {c.replica: approximate.get(c.replica, 0.0) for c in candidates}
         method = "approximate"
         best_any = max(shares.values())
-    if best_any <= 0.0:
-        chosen = _least_loaded(candidates, session, rotation)
-        return Decision(chosen.replica, method, "miss", 0.0)
     low = min(c.load for c in candidates)
     eligible = [c for c in candidates if c.load <= low + load_slack]
-    best = max(shares[c.replica] for c in eligible)
-    if best <= 0.0:
-        chosen = _least_loaded(eligible, session, rotation)
-        return Decision(chosen.replica, method, "overloaded", 0.0)
-    holders = [c for c in eligible if shares[c.replica] == best]
-    least = min(c.load for c in holders)
-    chosen = _tie_break([c for c in holders if c.load == least], session, rotation)
-    outcome: Outcome = "hit" if best >= best_any else "overloaded"
-    return Decision(chosen.replica, method, outcome, best)
+    recompute = prompt_tokens * recompute_weight
+
+    def cost(c: Candidate) -> float:
+        return c.work + (1.0 - shares[c.replica]) * recompute
+
+    cheapest = min(cost(c) for c in eligible)
+    tied = [c for c in eligible if cost(c) == cheapest]
+    share = max(shares[c.replica] for c in tied)
+    tied = [c for c in tied if shares[c.replica] == share]
+    chosen = _least_loaded(tied, session, rotation)
+    if best_any <= 0.0:
+        return Decision(chosen.replica, method, "miss", 0.0)
+    outcome: Outcome = "hit" if share >= best_any else "overloaded"
+    return Decision(chosen.replica, method, outcome, share)
 
 
 def precise_shares(

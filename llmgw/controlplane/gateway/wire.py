@@ -68,15 +68,22 @@ class Prompt:
 # cost more than the rest of the relay. Inside a JSON string the quotes are escaped, so no
 # generated text can match.
 _USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
+# A chunk that carries a token: text, a tool call or a finish. The simulator (and some
+# engines) send a role-only chunk as soon as a request is accepted, before its prefill; that
+# one is not a first token, and the router counts a prefill done at the first token.
+_TOKEN = re.compile(
+    rb'"(?:content|text|reasoning_content)":\s*"[^"]|"tool_calls":\s*\[\s*\{|"finish_reason":\s*"'
+)
 
 
 def filter_events(
     events: bytes, state: StreamState, client_usage: bool, clock: Callable[[], float]
 ) -> bytes:
-    """Count content chunks, capture the usage chunk and drop it when not asked for."""
+    """Count content chunks, note when the first token came, capture the usage chunk and
+    drop it when not asked for."""
     if _USAGE_OBJECT.search(events) is None:
         n = events.count(b"data: {")
-        if n and state.first_at is None:
+        if n and state.first_at is None and _TOKEN.search(events) is not None:
             state.first_at = clock()
         state.chunks += n
         return events
@@ -95,7 +102,7 @@ def filter_events(
                     kept.append(event)
                 continue
         if event.startswith(b"data: {"):
-            if state.first_at is None:
+            if state.first_at is None and _TOKEN.search(event) is not None:
                 state.first_at = clock()
             state.chunks += 1
         kept.append(event)
