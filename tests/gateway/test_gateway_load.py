@@ -18,6 +18,7 @@ from gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, t
 from support.procs import wait_for
 
 from llmgw.controlplane.gateway.load import LoadTracker
+from llmgw.controlplane.gateway.wire import prompt_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,7 +97,7 @@ class _GatedEngine:
         await send({"type": "http.response.body", "body": b""})
 
 
-def test_the_gateway_counts_a_streams_prefill_off_at_its_first_token_not_its_role_chunk() -> None:
+def test_a_streams_prefill_is_counted_off_at_its_first_token_not_its_role_chunk() -> None:
     engine = _GatedEngine()
     key = Key("k1", "good")
     with (
@@ -112,6 +113,12 @@ def test_the_gateway_counts_a_streams_prefill_off_at_its_first_token_not_its_rol
             "messages": [{"role": "user", "content": "word " * 300}],
         }
         lines: list[str] = []
+        computing = gw.gateway.computing
+        chunks = computing.chunks(prompt_of(body, chat=True).text)
+
+        def in_flight_claim(later: float) -> float:
+            now = gw.gateway.clock() + later
+            return computing.score("m\0", chunks, ["r0"], now=now)["r0"]
 
         def client() -> None:
             with httpx.stream(
@@ -132,10 +139,14 @@ def test_the_gateway_counts_a_streams_prefill_off_at_its_first_token_not_its_rol
             assert '"role":"assistant"' in lines[0]
             # Relayed, and still the replica's queued prefill: no token has come.
             assert load.load("r0") == 1 and load.work("r0") >= 300
+            # ... and the prompt is claimed as being computed there for as long as it takes.
+            assert in_flight_claim(later=3600.0) == 1.0
             engine.first_token.set()
             wait_for(lambda: len(lines) >= 2, timeout_s=10, what="the first token relayed")
             wait_for(lambda: load.work("r0") == 0, timeout_s=5, what="the prefill counted off")
             assert load.load("r0") == 1  # still streaming
+            # Computed: claimed only until KV events have had time to reach the index.
+            assert in_flight_claim(later=3600.0) == 0.0
         finally:
             engine.first_token.set()
             engine.finish.set()

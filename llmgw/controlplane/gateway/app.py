@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -122,6 +123,16 @@ class _Attempt:
     ep: Endpoint
     resp: aiohttp.ClientResponse
     prefill: float  # prompt tokens the replica computes, counted as its work until the 1st token
+    track: _Track | None  # the prompt's claim in Gateway.computing, until the 1st token
+
+
+# (tree key, chunk hashes) of a prompt whose prefill a replica is computing for this gateway.
+_Track = tuple[str, list[int]]
+# KV events reach the index within about this long after an engine computed the blocks (the
+# agent relays them as they come); until then the gateway's own record says where they are.
+_INDEX_LAG_S = 2.0
+# Prompts being computed, all models together: in-flight requests' chunks, a few per request.
+_COMPUTING_MAX_ENTRIES = 50_000
 
 
 @dataclass
@@ -150,6 +161,9 @@ class Gateway(Generic[K]):
             eject_after=s.eject_after_failures, eject_for_s=s.eject_for_s, clock=self.clock
         )
         self.tree = ApproxTree(max_entries=s.approx_max_entries, ttl_s=s.approx_ttl_s)
+        # What this gateway's requests are computing where, claimed until their first token
+        # (+inf) and for _INDEX_LAG_S after: what a replica holds before the index can say.
+        self.computing = ApproxTree(max_entries=_COMPUTING_MAX_ENTRIES, ttl_s=_INDEX_LAG_S)
         self.budget = RetryBudget(ratio=s.retry_budget_ratio)
         self._random = random.Random()
         self.created = int(time.time())
@@ -319,7 +333,9 @@ class Gateway(Generic[K]):
         try:
             self.budget.deposit()
             candidates = self._candidates(route, exclude=())
-            decision, tokens = await self._route(route, candidates, body, prompt, salt, scope, chat)
+            decision, held, tokens, track = await self._route(
+                route, candidates, body, prompt, salt, scope, chat
+            )
             prompt_tokens = len(tokens) if tokens is not None else prompt_estimate
             payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             self.metrics.in_flight.inc()
@@ -334,8 +350,9 @@ class Gateway(Generic[K]):
                         decision.replica,
                         payload,
                         scope["path"],
-                        prefill=(1.0 - decision.share) * prompt_tokens,
+                        prefill=(1.0 - held) * prompt_tokens,
                         prompt_tokens=prompt_tokens,
+                        track=track,
                     )
                 except BaseException:
                     self.metrics.in_flight.dec()
@@ -349,7 +366,7 @@ class Gateway(Generic[K]):
                     else:
                         await self._relay_whole(attempt, send, admission, route, t0)
                 finally:
-                    self.load.finished(replica, attempt.prefill)
+                    self._ended(replica, attempt.prefill, attempt.track)
                     self.metrics.in_flight.dec()
                     attempt.resp.release()
             except asyncio.CancelledError:
@@ -411,7 +428,7 @@ class Gateway(Generic[K]):
         salt: str | None,
         scope: Scope,
         chat: bool,
-    ) -> tuple[Decision, list[int] | None]:
+    ) -> tuple[Decision, float, list[int] | None, _Track | None]:
         policy = self.settings.routing_policy
         load = self.load
         cands = [
@@ -427,6 +444,7 @@ class Gateway(Generic[K]):
         chunks: list[int] | None = None
         approx: dict[str, float] | None = None
         precise: dict[str, float] | None = None
+        computing: dict[str, float] | None = None
         tokens: list[int] | None = None
         # The precise policy consults the tree too: it is precise routing's fallback.
         if policy in ("auto", "approximate", "precise") and prompt.text:
@@ -436,6 +454,10 @@ class Gateway(Generic[K]):
             tokens = await self._tokens(route, eps, body, prompt, chat)
             if tokens is not None:
                 precise = self._precise(route, eps, cands, tokens, salt) or None
+            if precise is not None and chunks:
+                computing = self.computing.score(
+                    tree_key, chunks, [c.replica for c in cands], now=now
+                )
         decision = decide(
             cands,
             policy=policy,
@@ -457,7 +479,16 @@ class Gateway(Generic[K]):
             )
         if chunks:
             self.tree.record(tree_key, chunks, decision.replica, now=now)
-        return decision, tokens
+        # What of the prompt the replica holds, as far as this gateway can tell: its KV view
+        # (or a prefill of ours in flight there) where it was scored precisely. A decision
+        # the tree made because the index shows no holder is a miss on the index's word,
+        # and its prefill is counted whole, or the replica looks idle while it computes.
+        held = decision.share
+        if precise is not None and decision.replica in precise:
+            in_flight = computing.get(decision.replica, 0.0) if computing else 0.0
+            held = max(precise[decision.replica], in_flight)
+        track = (tree_key, chunks) if chunks and policy in ("auto", "precise") else None
+        return decision, held, tokens, track
 
     async def _tokens(
         self,
@@ -537,6 +568,7 @@ class Gateway(Generic[K]):
         *,
         prefill: float,
         prompt_tokens: int,
+        track: _Track | None = None,
     ) -> _Attempt:
         """Send to ``replica``, retried once elsewhere on a connection error or a 503 before
         any header. ``prefill``: what of the prompt ``replica`` computes (a retry's replica
@@ -550,6 +582,8 @@ class Gateway(Generic[K]):
             # Counted from before the request is sent: a non-streamed answer's headers come
             # only when it is complete, and the replica is busy with it all along.
             self.load.started(ep.replica, prefill)
+            if track is not None:
+                self.computing.record(*track, ep.replica, now=math.inf)
             try:
                 resp = await self._http.post(
                     ep.url + path,
@@ -561,29 +595,29 @@ class Gateway(Generic[K]):
                     allow_redirects=False,
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                self.load.finished(ep.replica, prefill)
+                self._ended(ep.replica, prefill, track)
                 why, kind = "connection refused, unreachable or timed out", "connect"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # The request may have reached the engine: never retried (it may be running).
-                self.load.finished(ep.replica, prefill)
+                self._ended(ep.replica, prefill, track)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
                 self._failed(route, ep, kind)
                 raise upstream_failed(route.name, type(exc).__name__) from None
             except BaseException:  # cancelled: the count must not leak
-                self.load.finished(ep.replica, prefill)
+                self._ended(ep.replica, prefill, track)
                 raise
             else:
                 try:
                     unreached = await _proxy_unreached(resp)
                 except BaseException:
                     resp.release()
-                    self.load.finished(ep.replica, prefill)
+                    self._ended(ep.replica, prefill, track)
                     raise
                 if resp.status != 503 and unreached is None:
                     self.load.succeeded(ep.replica)
-                    return _Attempt(ep, resp, prefill)
+                    return _Attempt(ep, resp, prefill, track)
                 resp.release()
-                self.load.finished(ep.replica, prefill)
+                self._ended(ep.replica, prefill, track)
                 why = unreached or "the replica answered 503"
                 kind = "connect" if unreached else "status"
             self._failed(route, ep, kind)
@@ -596,6 +630,17 @@ class Gateway(Generic[K]):
                 key=lambda e: (self.load.failures(e.replica), self.load.load(e.replica), e.replica),
             )
             prefill = float(prompt_tokens)
+
+    def _computed(self, replica: str, prefill: float, track: _Track | None) -> None:
+        self.load.prefilled(replica, prefill)
+        if track is not None:
+            self.computing.record(*track, replica, now=self.clock())
+
+    def _ended(self, replica: str, prefill: float, track: _Track | None) -> None:
+        """The request ended (answered, failed or cancelled); what of it was not yet
+        counted off at a first token is now."""
+        self._computed(replica, prefill, track)
+        self.load.finished(replica)
 
     def _failed(self, route: ModelRoute, ep: Endpoint, kind: str) -> None:
         self.metrics.inc(self.metrics.upstream_errors, route.name, ep.replica, kind)
@@ -695,10 +740,11 @@ class Gateway(Generic[K]):
                     continue
                 events, pending = pending[: cut + 2], pending[cut + 2 :]
                 out = filter_events(events, state, client_usage, self.clock)
-                if attempt.prefill and state.first_at is not None:
-                    # The first token: this prompt's prefill no longer queues anyone.
-                    self.load.prefilled(ep.replica, attempt.prefill)
-                    attempt.prefill = 0.0
+                if state.first_at is not None and (attempt.prefill or attempt.track):
+                    # The first token: this prompt's prefill no longer queues anyone, and
+                    # its blocks are on their way to the index.
+                    self._computed(ep.replica, attempt.prefill, attempt.track)
+                    attempt.prefill, attempt.track = 0.0, None
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except (aiohttp.ClientError, TimeoutError) as exc:
