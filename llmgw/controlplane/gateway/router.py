@@ -15,8 +15,10 @@ candidate is ``work + (1 - share) * prompt_tokens * recompute_weight``, and the 
 wins; ties go to the longer share, the lower load, session affinity, then rotation. So a hit
 never waits behind more prefill than recomputing the prompt elsewhere would cost, and a miss
 goes where the least prefill is queued, not merely the fewest requests: a request count
-treats a 40-token hit and a 2,000-token miss alike. ``recompute_weight`` above 1 keeps a
-prefix on its holders a little longer, because a copy elsewhere evicts other prompts. A
+treats a 40-token hit and a 2,000-token miss alike. ``recompute_weight`` 1 sends each
+request where its first token comes soonest by this estimate; above 1 keeps a prefix on its
+holders longer, because a copy elsewhere evicts other prompts (a higher hit rate, a longer
+tail: measured in bench/routing.py). A
 guard in requests remains: only replicas whose load (running + waiting + this gateway's
 in-flight) is within ``load_slack`` of the least-loaded's are eligible (a replica full of
 long decodes has no queued prefill but no free slot either). When a holder of the longest
@@ -117,7 +119,7 @@ def decide(
     approximate: Mapping[str, float] | None = None,
     load_slack: int = 8,
     prompt_tokens: int = 0,
-    recompute_weight: float = 1.5,
+    recompute_weight: float = 1.0,
     session: str | None = None,
     rotation: int = 0,
     pick: float = 0.0,
