@@ -374,6 +374,10 @@ class AllInOne:
                         # agent reports no change) the endpoint answering proves.
                         next_probe = time.monotonic() + 2.0
                         done = self._demo_answers(api_key, demo)
+                        if done and progress is not None:
+                            # The gateway learns of a ready shard (NOTIFY) as soon as this
+                            # poll could: say what made it answer before moving on.
+                            progress.poll(self.admin_url, token)
                     if done:
                         stage = "gateway"
                         if say_waiting:

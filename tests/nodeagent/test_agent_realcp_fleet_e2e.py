@@ -165,8 +165,11 @@ def test_supervision_outage_and_bad_input_against_the_real_control_plane(
 
         def scaled() -> tuple[dict[str, Any], dict[str, Any]] | None:
             rows = {r["id"]: r for r in _rows(cp, "keep")}
-            gone = [rows[k["id"]] for k in keep if rows[k["id"]]["released"]]
-            kept = [rows[k["id"]] for k in keep if rows[k["id"]]["desired"] == "running"]
+            # Released, or already deleted with its replica (the reconciler deletes a replica
+            # whose every shard exited, possibly before a poll sees it released).
+            gone = [k for k in keep if k["id"] not in rows or rows[k["id"]]["released"]]
+            kept = [rows[k["id"]] for k in keep
+                    if k["id"] in rows and rows[k["id"]]["desired"] == "running"]  # fmt: skip
             return (gone[0], kept[0]) if gone and kept else None
 
         gone, kept = wait_for(scaled, timeout_s=40, what="one keep shard stopped and released")

@@ -76,7 +76,7 @@ def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> Non
 
         # Progress was shown while the replicas came up.
         progress = up.err.read_text()
-        assert "Waiting for the demo's replicas" in progress and ": ready" in progress
+        assert "Waiting for the demo's replicas" in progress and ": ready" in progress, progress
 
         # `up` announces once one chat completion went through; the second replica and the
         # reconciler's status follow within moments.
