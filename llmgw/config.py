@@ -232,14 +232,15 @@ class GatewaySettings(_Section):
         "by at most this much; among them it weighs queued prefill against recomputing.",
     )
     recompute_weight: float = Field(
-        default=1.0,
+        default=3.0,
         ge=1.0,
         le=10.0,
-        description="How much a prompt token recomputed on a replica that does not hold it "
-        "counts against a token of prefill queued on one that does. 1: each request goes "
-        "where its first token comes soonest by the gateway's estimate (lowest TTFT); "
-        "above 1 keeps prefixes on their holders longer (a copy elsewhere evicts other "
-        "prompts): a higher hit rate for a longer tail (bench/routing.py measures both).",
+        description="Precise routing: how much a prompt token recomputed on a replica that "
+        "does not hold it counts against a token of prefill queued on one that does. 1: each "
+        "request goes where its first token comes soonest by the gateway's estimate; above "
+        "1 keeps prefixes on their holders longer (a copy elsewhere evicts other prompts): "
+        "a higher hit rate for about the same tail (bench/routing.py). Approximate decisions "
+        "always weigh 1 (the tree's claims may be long evicted).",
     )
     tokenize_timeout_s: float = Field(
         default=0.02,

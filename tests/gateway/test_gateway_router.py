@@ -104,6 +104,17 @@ def test_a_prefix_is_worth_the_wait_only_while_waiting_is_cheaper_than_recomputi
     assert (d.replica, d.outcome) == (want, outcome)
 
 
+def test_only_what_the_index_shows_is_worth_waiting_past_the_break_even() -> None:
+    # ra holds the prompt, 1,200 tokens of prefill behind; rb is idle. At weight 3 the index's
+    # word keeps it on ra; the tree's claim (maybe long evicted) is weighed at 1: rb.
+    cands = [_load(A, 0, 1200.0), _load(B, 0, 0.0)]
+    shares = {"ra": 1.0, "rb": 0.0}
+    kw: dict[str, Any] = {"policy": "auto", "prompt_tokens": 1000, "recompute_weight": 3.0}
+    assert decide(cands, precise=shares, **kw).replica == "ra"
+    d = decide(cands, approximate=shares, **kw)
+    assert (d.replica, d.method, d.outcome) == ("rb", "approximate", "overloaded")
+
+
 def test_forced_policies() -> None:
     cands = [C, A, B]
     rr = [decide(cands, policy="round_robin", rotation=i).replica for i in range(6)]

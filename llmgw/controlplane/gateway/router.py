@@ -15,10 +15,11 @@ candidate is ``work + (1 - share) * prompt_tokens * recompute_weight``, and the 
 wins; ties go to the longer share, the lower load, session affinity, then rotation. So a hit
 never waits behind more prefill than recomputing the prompt elsewhere would cost, and a miss
 goes where the least prefill is queued, not merely the fewest requests: a request count
-treats a 40-token hit and a 2,000-token miss alike. ``recompute_weight`` 1 sends each
-request where its first token comes soonest by this estimate; above 1 keeps a prefix on its
-holders longer, because a copy elsewhere evicts other prompts (a higher hit rate, a longer
-tail: measured in bench/routing.py). A
+treats a 40-token hit and a 2,000-token miss alike. At ``recompute_weight`` 1 each request goes
+where its first token comes soonest by this estimate; above 1 a prefix stays on its holders
+longer, because a copy elsewhere evicts other prompts: a higher hit rate for about the same tail
+(bench/routing.py). The weight applies to precise decisions only: an approximate share is the
+tree's claim, which may be long evicted, and is weighed at 1. A
 guard in requests remains: only replicas whose load (running + waiting + this gateway's
 in-flight) is within ``load_slack`` of the least-loaded's are eligible (a replica full of
 long decodes has no queued prefill but no free slot either). When a holder of the longest
@@ -119,7 +120,7 @@ def decide(
     approximate: Mapping[str, float] | None = None,
     load_slack: int = 8,
     prompt_tokens: int = 0,
-    recompute_weight: float = 1.0,
+    recompute_weight: float = 3.0,
     session: str | None = None,
     rotation: int = 0,
     pick: float = 0.0,
@@ -171,7 +172,9 @@ def decide(
         best_any = max(shares.values())
     low = min(c.load for c in candidates)
     eligible = [c for c in candidates if c.load <= low + load_slack]
-    recompute = prompt_tokens * recompute_weight
+    # Only what the KV index shows is worth waiting for beyond the break-even: the tree's
+    # claims may be long evicted, and holding to them queues whole prefills on one replica.
+    recompute = prompt_tokens * (recompute_weight if method == "precise" else 1.0)
 
     def cost(c: Candidate) -> float:
         return c.work + (1.0 - shares[c.replica]) * recompute
