@@ -20,13 +20,13 @@ keeps its engines, stops applying instructions and says so once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient, ControlPlaneError, Incompatible, Refused
 from llmgw.nodeagent.state import AgentState, NodeIdentity
@@ -228,5 +228,4 @@ class SyncLoop:
                 self.num_failures_total += 1
                 log.exception("sync_round_failed")
             wait = backoff_s(self.failures, self.timing, rng.random())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=wait)
+            await wait_event(stop, wait)

@@ -9,6 +9,7 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -18,9 +19,13 @@ from gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, t
 from support.procs import wait_for
 
 from llmgw.controlplane.gateway.load import LoadTracker
+from llmgw.controlplane.gateway.router import HashParams
+from llmgw.controlplane.gateway.tokenize import Tokenizer
 from llmgw.controlplane.gateway.wire import prompt_of
 
 pytestmark = pytest.mark.timeout(60)
+
+HASHED = HashParams(seed="0", block_size=16, extra_key_format="tagged")
 
 
 def _tracker() -> LoadTracker:
@@ -103,7 +108,10 @@ def test_a_streams_prefill_is_counted_off_at_its_first_token_not_its_role_chunk(
     with (
         serve_asgi(engine) as engine_url,
         serve_gateway(
-            table({"m": (endpoint("r0", engine_url, api_key=SIM_KEY),)}), {"s1": key}
+            # KV-event hashing declared: the route is one precise routing may score, so
+            # the gateway claims what its requests compute there.
+            table({"m": (replace(endpoint("r0", engine_url, api_key=SIM_KEY), hash=HASHED),)}),
+            {"s1": key},
         ) as gw,
     ):
         load = gw.gateway.load
@@ -153,3 +161,21 @@ def test_a_streams_prefill_is_counted_off_at_its_first_token_not_its_role_chunk(
             thread.join(timeout=15)
         wait_for(lambda: load.load("r0") == 0, timeout_s=5, what="the request ended")
         assert not thread.is_alive() and lines[-1] == "data: [DONE]"
+
+
+async def _tokenize_firehose(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    body = json.dumps({"count": 10**6, "tokens": list(range(10**6))}).encode()  # ~7 MB
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_a_tokenize_answer_far_larger_than_the_prompt_is_not_read() -> None:
+    with serve_asgi(_tokenize_firehose) as url:
+        async with aiohttp.ClientSession() as http:
+            tok = Tokenizer(http, timeout_s=5.0, concurrency=1)
+            got = await tok.tokenize(endpoint("r0", url), {"model": "m", "prompt": "hi"})
+    assert got == "error"

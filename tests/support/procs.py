@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -27,23 +28,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_PORT_BASES = range(20000, 32768 - 64, 64)
-# Where this process's next agent range starts: random, so two suites on one machine rarely
-# meet, then in turn, so two agents of one test never share a range (drawn independently,
-# two of ~200 ranges collided in CI: both engines took one port, and one health check
-# reached the other's engine).
-_next_base = [random.randrange(len(_PORT_BASES))]
+_PORT_SIZE = 64
+_PORT_BASES = list(range(20000, 32768 - _PORT_SIZE, _PORT_SIZE))
+# Handed out in turn from a random start: random, so two suites on one machine rarely meet; in
+# turn, so two agents of one test never share a range (drawn independently, two of ~200
+# ranges collided in CI: both engines took one port, and one health check reached the other's
+# engine).
+_start = random.randrange(len(_PORT_BASES))
+_port_bases = itertools.cycle(_PORT_BASES[_start:] + _PORT_BASES[:_start])
 
 
-def agent_port_base(size: int = 64) -> int:
+def agent_port_base(size: int = _PORT_SIZE) -> int:
     """The first port of a range for an agent's shards, below Linux's ephemeral range (32768+):
     free_port() and every outgoing connection of the suite take ports up there, and an engine
     whose port was taken in between crash-loops on "address already in use"."""
-    if size > _PORT_BASES.step:
-        raise ValueError(f"agent port ranges are {_PORT_BASES.step} ports at most")
-    i = _next_base[0]
-    _next_base[0] = (i + 1) % len(_PORT_BASES)
-    return _PORT_BASES[i]
+    if size > _PORT_SIZE:
+        raise ValueError(f"agent port ranges are {_PORT_SIZE} ports at most")
+    return next(_port_bases)
 
 
 def llmgw_cmd(*args: str) -> list[str]:

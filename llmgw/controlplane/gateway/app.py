@@ -60,7 +60,6 @@ from llmgw.controlplane.gateway.load import LoadTracker, RetryBudget
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.router import (
     Candidate,
-    Decision,
     HashParams,
     decide,
     precise_shares,
@@ -128,6 +127,16 @@ class _Attempt:
 
 # (tree key, chunk hashes) of a prompt whose prefill a replica is computing for this gateway.
 _Track = tuple[str, list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    replica: str
+    prompt_tokens: int  # tokenized for precise routing, else the estimate from characters
+    prefill: float  # what of them the chosen replica computes, as far as the gateway can tell
+    track: _Track | None  # to claim in Gateway.computing while it does
+
+
 # KV events reach the index within about this long after an engine computed the blocks (the
 # agent relays them as they come); until then the gateway's own record says where they are.
 _INDEX_LAG_S = 2.0
@@ -333,10 +342,10 @@ class Gateway(Generic[K]):
         try:
             self.budget.deposit()
             candidates = self._candidates(route, exclude=())
-            decision, held, tokens, track = await self._route(
-                route, candidates, body, prompt, salt, scope, chat
+            routed = await self._route(
+                route, candidates, body, prompt, salt, scope, chat, estimate=prompt_estimate
             )
-            prompt_tokens = len(tokens) if tokens is not None else prompt_estimate
+            prompt_tokens = routed.prompt_tokens
             payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             self.metrics.in_flight.inc()
             # A client that leaves while the engine works (a non-streamed answer's headers
@@ -347,12 +356,12 @@ class Gateway(Generic[K]):
                 try:
                     attempt = await self._send_upstream(
                         route,
-                        decision.replica,
+                        routed.replica,
                         payload,
                         scope["path"],
-                        prefill=(1.0 - held) * prompt_tokens,
+                        prefill=routed.prefill,
                         prompt_tokens=prompt_tokens,
-                        track=track,
+                        track=routed.track,
                     )
                 except BaseException:
                     self.metrics.in_flight.dec()
@@ -428,7 +437,10 @@ class Gateway(Generic[K]):
         salt: str | None,
         scope: Scope,
         chat: bool,
-    ) -> tuple[Decision, float, list[int] | None, _Track | None]:
+        *,
+        estimate: int,
+    ) -> _Routed:
+        """``estimate``: the prompt's length in tokens from its characters."""
         policy = self.settings.routing_policy
         load = self.load
         cands = [
@@ -458,15 +470,14 @@ class Gateway(Generic[K]):
                 computing = self.computing.score(
                     tree_key, chunks, [c.replica for c in cands], now=now
                 )
+        prompt_tokens = len(tokens) if tokens is not None else estimate
         decision = decide(
             cands,
             policy=policy,
             precise=precise,
             approximate=approx,
             load_slack=self.settings.load_slack,
-            prompt_tokens=len(tokens)
-            if tokens is not None
-            else len(prompt.text) // _CHARS_PER_TOKEN,
+            prompt_tokens=prompt_tokens,
             recompute_weight=self.settings.recompute_weight,
             session=session,
             rotation=self._rotation,
@@ -487,8 +498,11 @@ class Gateway(Generic[K]):
         if precise is not None and decision.replica in precise:
             in_flight = computing.get(decision.replica, 0.0) if computing else 0.0
             held = max(precise[decision.replica], in_flight)
-        track = (tree_key, chunks) if chunks and policy in ("auto", "precise") else None
-        return decision, held, tokens, track
+        # Claimed only where a later request may be scored precisely (the claim stands in
+        # for the index until its events arrive); elsewhere it would be work for nothing.
+        precise_route = policy in ("auto", "precise") and any(ep.hash is not None for ep in eps)
+        track = (tree_key, chunks) if chunks and precise_route else None
+        return _Routed(decision.replica, prompt_tokens, (1.0 - held) * prompt_tokens, track)
 
     async def _tokens(
         self,

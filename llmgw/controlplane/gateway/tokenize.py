@@ -5,7 +5,9 @@ The tokens must be the ones the engine will cache, so the request's ``tools``,
 ``add_special_tokens`` are forwarded as sent. Bounded three ways: a timeout (past it the
 request is routed by the approximate tree: a slow tokenizer must never cost more than the cache
 hit can save), a cap on calls in flight (over it: skipped, never queued), and the caller skips
-short prompts and multimodal ones.
+short prompts and multimodal ones. The answer read is capped too: a token is at least a byte
+of the prompt sent and at most ~8 bytes of JSON, so more than 16 bytes per byte sent (plus
+room for the chat template) is not an answer to this request.
 
 What it must NOT do: raise. Every failure is a reason string the caller counts.
 """
@@ -19,9 +21,11 @@ from typing import Any
 import aiohttp
 
 from llmgw.controlplane.gateway.routes import Endpoint
+from llmgw.controlplane.gateway.upstream import read_capped
 
 __all__ = ["Tokenizer", "tokenize_payload"]
 
+_TEMPLATE_ROOM_BYTES = 64 * 1024
 _CHAT_FIELDS = (
     "tools",
     "chat_template_kwargs",
@@ -60,10 +64,11 @@ class Tokenizer:
         if self._busy >= self._cap:
             return "busy"
         self._busy += 1
+        body = json.dumps(payload, separators=(",", ":")).encode()
         try:
             async with self._http.post(
                 f"{ep.url}/tokenize",
-                data=json.dumps(payload, separators=(",", ":")).encode(),
+                data=body,
                 headers={
                     "Authorization": f"Bearer {ep.api_key}",
                     "Content-Type": "application/json",
@@ -72,7 +77,10 @@ class Tokenizer:
             ) as resp:
                 if resp.status != 200:
                     return "error"
-                data = json.loads(await resp.read())
+                raw = await read_capped(resp, 16 * len(body) + _TEMPLATE_ROOM_BYTES)
+                if raw is None:
+                    return "error"
+                data = json.loads(raw)
             tokens = data.get("tokens") if isinstance(data, dict) else None
             if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                 return "error"
