@@ -48,6 +48,8 @@ requests pin.
     .venv/bin/python bench/routing.py               # about 8-10 minutes on 2 cores
     .venv/bin/python bench/routing.py --policies random precise --requests 200
     .venv/bin/python bench/routing.py --repeats 3    # medians of 3 runs: one run's p90 varies ~15%
+    .venv/bin/python bench/routing.py --policies precise --dump /tmp/requests.jsonl
+                                                     # one JSON line per request, to find the slow tenth
 
 Prints one JSON object. Targets (issue [gateway]): precise >= 90% of the oracle's hit rate;
 precise TTFT p90 >= 5x better than random and >= 1.5x better than approximate.
@@ -643,6 +645,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 m["oracle"] = _oracle(replay, args)
                 _add_run(results[workload], policy, m)
+                if args.dump:
+                    _dump(args.dump, workload, policy, repeat, replay)
                 print(
                     f"[routing] {workload} {policy} #{repeat + 1}: hit {m['hit_rate']} ttft p90 "
                     f"{m['ttft_ms'].get('p90')} ms, oracle {m['oracle']['untimed']}, "
@@ -662,6 +666,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for (shard,) in shards:
             kill_marked(shard)
     return _report(args, results, capacity_tokens, time.monotonic() - t_start)
+
+
+def _dump(path: Path, workload: str, policy: str, repeat: int, replay: Replay) -> None:
+    """One JSON line per request (for finding where a policy's slow tenth comes from)."""
+    with path.open("a") as f:
+        for s in sorted(replay.sent, key=lambda s: s.at):
+            r = s.result
+            usage = (r.usage if r is not None else None) or {}
+            details = usage.get("prompt_tokens_details") or {}
+            row = {
+                "workload": workload,
+                "policy": policy,
+                "repeat": repeat,
+                "at_s": round(s.at, 4),
+                "gateway": s.gateway,
+                "session": s.session,
+                "messages": len(s.messages),
+                "prompt_tokens": usage.get("prompt_tokens"),
+                "cached_tokens": details.get("cached_tokens"),
+                "ttft_ms": round(r.ttft_s * 1e3, 1) if r is not None and r.ttft_s else None,
+                "ok": r is not None and r.ok,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def _add_run(per_policy: dict[str, Any], policy: str, m: dict[str, Any]) -> None:
@@ -780,6 +807,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=int,
         default=1,
         help="runs of every policy (new traces each time); targets are judged on the medians",
+    )
+    p.add_argument(
+        "--dump", type=Path, default=None, help="append one JSON line per request to this file"
     )
     p.add_argument(
         "--gateway-env",

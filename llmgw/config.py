@@ -242,6 +242,18 @@ class GatewaySettings(_Section):
         "a higher hit rate for about the same tail (bench/routing.py). Approximate decisions "
         "always weigh 1 (the tree's claims may be long evicted).",
     )
+    affinity_tokens: float = Field(
+        default=768.0,
+        ge=0.0,
+        le=1_000_000,
+        description="Prefix routing: how much more cost (queued prefill plus weighted "
+        "recompute, in prompt tokens) a request accepts to land on its session's home "
+        "replica: the session is `user` or x-session-id, else the prompt's first KV block "
+        "past the prefix it shares with others (a chat's first question); the home is "
+        "picked by rendezvous hashing. Homes spread chats that share a system prompt over "
+        "the replicas instead of piling them onto its first holder, and two gateways agree "
+        "on them without talking. Not applied to prompts nobody holds. 0: off.",
+    )
     tokenize_timeout_s: float = Field(
         default=0.02,
         gt=0,

@@ -16,7 +16,7 @@ import aiohttp
 import httpx
 import pytest
 from gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, table
-from support.procs import wait_for
+from support.procs import free_port, wait_for
 
 from llmgw.controlplane.gateway.load import LoadTracker
 from llmgw.controlplane.gateway.router import HashParams
@@ -179,3 +179,35 @@ async def test_a_tokenize_answer_far_larger_than_the_prompt_is_not_read() -> Non
             tok = Tokenizer(http, timeout_s=5.0, concurrency=1)
             got = await tok.tokenize(endpoint("r0", url), {"model": "m", "prompt": "hi"})
     assert got == "error"
+
+
+def test_a_request_that_never_reached_its_replica_leaves_no_claim_there() -> None:
+    engine = _GatedEngine()
+    engine.first_token.set()
+    engine.finish.set()
+    key = Key("k1", "good")
+    with serve_asgi(engine) as engine_url:
+        live = replace(endpoint("r0", engine_url, api_key=SIM_KEY), hash=HASHED)
+        dead = replace(endpoint("r0", f"http://127.0.0.1:{free_port()}", api_key=SIM_KEY),
+                       hash=HASHED)  # fmt: skip
+        for ep, status, claimed in ((live, 200, 1.0), (dead, 502, 0.0)):
+            with serve_gateway(table({"m": (ep,)}), {"s1": key}) as gw:
+                body = {
+                    "model": "m",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "word " * 300}],
+                }
+                r = httpx.post(
+                    f"{gw.url}/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": "Bearer llmgw_k1_s1"},
+                    timeout=30,
+                )
+                assert r.status_code == status
+                computing = gw.gateway.computing
+                chunks = computing.chunks(prompt_of(body, chat=True).text)
+                # Right after the answer: a computed prompt is claimed until the index can
+                # show it; one that failed to connect is not (the retry, or the next
+                # request, must not be drawn to a replica that holds none of it).
+                now = gw.gateway.clock()
+                assert computing.score("m\0", chunks, ["r0"], now=now)["r0"] == claimed

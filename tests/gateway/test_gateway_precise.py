@@ -154,3 +154,28 @@ def test_precise_routing_follows_the_index(sims: list[SimProcess]) -> None:
         misses = _decisions(gw, "precise", "miss")
         assert _via(gw, _system("tenant0") + " salted question", SALTED) == 0
         assert _decisions(gw, "precise", "miss") == misses + 1
+
+
+def test_a_turn_the_index_has_not_heard_of_yet_follows_what_this_gateway_sent(
+    sims: list[SimProcess],
+) -> None:
+    # Every engine holds the system prompt, and the index knows it. A chat's first turn goes
+    # to one of them; its blocks reach the index only when the agent relays them (here: never,
+    # the test does not sync again). The next turn, sent at once, must still go where the
+    # first went: until the index can say, what this gateway sent is held there.
+    world = World(sims)
+    system = _system("everyone")
+    for sim in sims:
+        _direct(sim, system + " warmup")
+    world.sync()
+    # No homes: the next turn would find the system prompt alike everywhere and rotate.
+    settings = GatewaySettings(tokenize_timeout_s=2.0, affinity_tokens=0)
+    with serve_gateway(world.table(), KEYS, settings=settings, intake=world.intake) as gw:
+        for chat in range(3):
+            first = f"{system} chat {chat}: " + " ".join(f"word{k}" for k in range(80))
+            system_hit = _via(gw, first)
+            assert system_hit >= 16 * 10
+            # The first turn's own blocks (80 words: more than two blocks) are hits too.
+            cached = _via(gw, first + " and then a second question")
+            assert cached >= system_hit + 2 * 16, (chat, system_hit, cached)
+        assert _decisions(gw, "precise", "hit") >= 3

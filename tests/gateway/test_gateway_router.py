@@ -13,8 +13,11 @@ from hypothesis import strategies as st
 from llmgw.controlplane.gateway.approx import ApproxTree, chunk_hashes
 from llmgw.controlplane.gateway.router import (
     Candidate,
+    Decision,
     HashParams,
+    block_keys,
     decide,
+    home_key,
     precise_shares,
 )
 from llmgw.controlplane.gateway.routes import DeclaredRow, RouteRow, build_table
@@ -140,6 +143,142 @@ def test_session_affinity_breaks_ties_and_is_stable() -> None:
     assert d.replica == "rc"
 
 
+def test_a_session_goes_home_within_the_affinity_tokens() -> None:
+    # Every replica holds the system prompt; the chat's own part is nowhere yet. Two gateways
+    # deciding it agree on its home: the choice hangs on the prompt, not on a gateway's
+    # rotation or state.
+    cands = [A, _load(B, 1, 300.0), _load(C, 2, 600.0)]
+    chunks = chunk_hashes("a system prompt for every chat " * 20 + "chat 7 asks " * 30, 64)
+    common = dict.fromkeys(("ra", "rb", "rc"), 9 / len(chunks))
+    home = home_key(chunks, common.values())
+
+    def route(rotation: int, tokens: float, cs: list[Candidate] = cands) -> str:
+        return decide(
+            cs,
+            policy="auto",
+            precise=common,
+            prompt_tokens=1000,
+            recompute_weight=1.0,
+            affinity_tokens=tokens,
+            home=home,
+            rotation=rotation,
+        ).replica
+
+    homes = {route(i, 1000.0) for i in range(5)}
+    assert len(homes) == 1
+    at = homes.pop()
+    # Home is the same whatever the loads, as long as it is within reach of the cheapest.
+    even = [A, B, C]
+    assert route(0, 1000.0, even) == at
+    # Past the affinity tokens the cheapest wins; at 0 (off) too.
+    far = [Candidate(c.replica, c.shard, 0, 2000.0 if c.replica == at else 0.0) for c in even]
+    assert route(0, 1000.0, far) != at
+    assert route(0, 0.0) == "ra"
+    # Many chats spread over the replicas (rendezvous hashing), not all to one.
+    spread = set()
+    for g in range(30):
+        text = chunk_hashes("a system prompt for every chat " * 20 + f"chat {g} asks " * 30, 64)
+        spread.add(
+            decide(
+                even,
+                policy="auto",
+                precise=common,
+                prompt_tokens=1000,
+                affinity_tokens=1000.0,
+                home=home_key(text, common.values()),
+            ).replica
+        )
+    assert spread == {"ra", "rb", "rc"}
+    # A prompt nobody holds has no cache to share: its prefill goes where it starts soonest.
+    miss = dict.fromkeys(("ra", "rb", "rc"), 0.0)
+    for g in range(10):
+        d = decide(
+            cands,
+            policy="auto",
+            precise=miss,
+            prompt_tokens=1000,
+            affinity_tokens=1000.0,
+            home=home_key(chunk_hashes(f"group {g} " * 40, 64), miss.values()),
+        )
+        assert (d.replica, d.outcome) == ("ra", "miss")
+
+
+def test_chats_sharing_a_system_prompt_spread_over_homes_and_stay_there() -> None:
+    # One replica holds the system prompt every chat starts with. The cheapest alone sends
+    # every new chat there (recomputing it elsewhere costs more than waiting for nothing),
+    # and its cache evicts them; with homes, a first turn goes to its chat's home for that
+    # little recompute, and later turns follow it there.
+    system = "you are a helpful assistant " * 25  # 700 characters: 10 whole chunks
+    held_system = len(chunk_hashes(system, 64))
+
+    def turn(chunks: list[int], shares: dict[str, float], tokens: int) -> Decision:
+        return decide(
+            [A, B, C],
+            policy="auto",
+            precise=shares,
+            prompt_tokens=tokens,
+            recompute_weight=3.0,
+            affinity_tokens=768.0,
+            home=home_key(chunks, shares.values()),
+        )
+
+    firsts = {}
+    for chat in range(24):
+        text = system + f"chat {chat} asks: " + "tell me about the sea " * 60
+        chunks = chunk_hashes(text, 64)
+        shares = {"ra": held_system / len(chunks), "rb": 0.0, "rc": 0.0}
+        d = turn(chunks, shares, 600)
+        firsts[chat] = d.replica
+        # The next turn: its home holds the first turn, the others the system prompt.
+        later = chunk_hashes(text + " and then more " * 40, 64)
+        held = {
+            r: (len(chunks) if r == d.replica else held_system) / len(later)
+            for r in ("ra", "rb", "rc")
+        }
+        again = turn(later, held, 900)
+        assert (again.replica, again.outcome) == (d.replica, "hit")
+        # The chat has one name: the first turn's and the next's homes are one.
+        assert home_key(chunks, shares.values()) == home_key(later, held.values())
+    assert set(firsts.values()) == {"ra", "rb", "rc"}
+    without = {
+        decide(
+            [A, B, C],
+            policy="auto",
+            precise={"ra": 0.3, "rb": 0.0, "rc": 0.0},
+            prompt_tokens=600,
+            recompute_weight=3.0,
+        ).replica
+        for chat in range(24)
+    }
+    assert without == {"ra"}
+
+
+def test_block_keys_name_leading_blocks_like_the_chunks_do() -> None:
+    tokens = list(range(100))
+    keys = block_keys(tokens, 16)
+    assert len(keys) == 6  # 99 // 16: the last token is always computed
+    assert block_keys(tokens[:64] + [7] * 36, 16)[:4] == keys[:4]  # a shared prefix
+    assert block_keys(tokens[:64] + [7] * 36, 16)[4] != keys[4]
+    assert block_keys(tokens[:32], 16) == keys[:1]  # 32 tokens: the 2nd block never hits
+
+
+def test_a_home_never_costs_more_than_the_affinity_tokens() -> None:
+    # A holder of 1,800 of a 1,832-token prompt keeps it: going home would recompute it.
+    chunks = chunk_hashes("a long group system prompt and then a question " * 40, 64)
+    for held in ("ra", "rb", "rc"):
+        shares = {r: (0.98 if r == held else 0.0) for r in ("ra", "rb", "rc")}
+        d = decide(
+            [A, B, C],
+            policy="auto",
+            precise=shares,
+            prompt_tokens=1832,
+            recompute_weight=3.0,
+            affinity_tokens=768.0,
+            home=home_key(chunks, shares.values()),
+        )
+        assert (d.replica, d.outcome) == (held, "hit")
+
+
 def test_decide_needs_a_candidate() -> None:
     with pytest.raises(ValueError, match="at least one"):
         decide([], policy="auto")
@@ -156,9 +295,12 @@ def _world(draw: st.DrawFn) -> tuple[list[Candidate], dict[str, float], int, int
     return cands, shares, draw(st.integers(0, 6)), draw(st.sampled_from([0, 100, 1000, 4000]))
 
 
-@given(_world(), st.integers(0, 100))
+@given(_world(), st.integers(0, 100), st.sampled_from([0.0, 300.0, 3000.0]), st.integers(0, 4))
 def test_a_request_goes_where_it_waits_and_recomputes_least(
-    world: tuple[list[Candidate], dict[str, float], int, int], rotation: int
+    world: tuple[list[Candidate], dict[str, float], int, int],
+    rotation: int,
+    affinity: float,
+    n_chunks: int,
 ) -> None:
     cands, shares, slack, tokens = world
     d = decide(
@@ -168,6 +310,8 @@ def test_a_request_goes_where_it_waits_and_recomputes_least(
         load_slack=slack,
         prompt_tokens=tokens,
         recompute_weight=1.5,
+        affinity_tokens=affinity,
+        home=home_key(list(range(7, 7 + n_chunks)), shares.values()),
         rotation=rotation,
     )
     low = min(c.load for c in cands)
@@ -178,9 +322,13 @@ def test_a_request_goes_where_it_waits_and_recomputes_least(
     def cost(c: Candidate) -> float:
         return c.work + (1 - shares[c.replica]) * tokens * 1.5
 
-    assert cost(chosen) == min(cost(c) for c in eligible)
-    # ... and of the cheapest, one holding the most.
-    assert shares[d.replica] == max(shares[c.replica] for c in eligible if cost(c) == cost(chosen))
+    cheapest = min(cost(c) for c in eligible)
+    # Within the affinity slack of the cheapest (exactly the cheapest without a home to go
+    # to), and holding as much as the best of the cheapest.
+    homing = affinity > 0 and n_chunks > 0
+    assert cost(chosen) <= cheapest + (affinity if homing else 0.0)
+    if not homing:  # ... and of the cheapest, one holding the most
+        assert shares[d.replica] == max(shares[c.replica] for c in eligible if cost(c) == cheapest)
     assert d.outcome in ("hit", "miss", "overloaded")
     assert (d.outcome == "miss") == (max(shares.values()) == 0)
     assert (d.outcome == "hit") == (0 < shares[d.replica] == max(shares.values()))

@@ -61,7 +61,9 @@ from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.router import (
     Candidate,
     HashParams,
+    block_keys,
     decide,
+    home_key,
     precise_shares,
 )
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
@@ -456,20 +458,29 @@ class Gateway(Generic[K]):
         chunks: list[int] | None = None
         approx: dict[str, float] | None = None
         precise: dict[str, float] | None = None
-        computing: dict[str, float] | None = None
         tokens: list[int] | None = None
+        home: str | None = None  # where the request's session lives (router.home_key)
         # The precise policy consults the tree too: it is precise routing's fallback.
         if policy in ("auto", "approximate", "precise") and prompt.text:
             chunks = self.tree.chunks(prompt.text)
             approx = self.tree.score(tree_key, chunks, [c.replica for c in cands], now=now)
+            home = home_key(chunks, approx.values())
         if policy in ("auto", "precise") and not prompt.multimodal:
             tokens = await self._tokens(route, eps, body, prompt, chat)
             if tokens is not None:
                 precise = self._precise(route, eps, cands, tokens, salt) or None
+            if precise is not None and tokens is not None:
+                block = min(ep.hash.block_size for ep in eps if ep.hash is not None)
+                home = home_key(block_keys(tokens, block), precise.values())
             if precise is not None and chunks:
+                # The index hears of blocks only after they are computed, through the
+                # agent's event relay, and the next turn of a chat may come sooner: until
+                # then a replica holds what this gateway sent it, whatever the index says
+                # (else that turn would find only the system prompt, held everywhere).
                 computing = self.computing.score(
                     tree_key, chunks, [c.replica for c in cands], now=now
                 )
+                precise = {r: max(v, computing.get(r, 0.0)) for r, v in precise.items()}
         prompt_tokens = len(tokens) if tokens is not None else estimate
         decision = decide(
             cands,
@@ -479,6 +490,8 @@ class Gateway(Generic[K]):
             load_slack=self.settings.load_slack,
             prompt_tokens=prompt_tokens,
             recompute_weight=self.settings.recompute_weight,
+            affinity_tokens=self.settings.affinity_tokens,
+            home=home,
             session=session,
             rotation=self._rotation,
             pick=self._random.random(),
@@ -496,8 +509,7 @@ class Gateway(Generic[K]):
         # and its prefill is counted whole, or the replica looks idle while it computes.
         held = decision.share
         if precise is not None and decision.replica in precise:
-            in_flight = computing.get(decision.replica, 0.0) if computing else 0.0
-            held = max(precise[decision.replica], in_flight)
+            held = precise[decision.replica]
         # Claimed only where a later request may be scored precisely (the claim stands in
         # for the index until its events arrive); elsewhere it would be work for nothing.
         precise_route = policy in ("auto", "precise") and any(ep.hash is not None for ep in eps)
@@ -609,11 +621,11 @@ class Gateway(Generic[K]):
                     allow_redirects=False,
                 )
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                self._ended(ep.replica, prefill, track)
+                self._ended(ep.replica, prefill, track, computed=False)
                 why, kind = "connection refused, unreachable or timed out", "connect"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 # The request may have reached the engine: never retried (it may be running).
-                self._ended(ep.replica, prefill, track)
+                self._ended(ep.replica, prefill, track, computed=False)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
                 self._failed(route, ep, kind)
                 raise upstream_failed(route.name, type(exc).__name__) from None
@@ -631,7 +643,7 @@ class Gateway(Generic[K]):
                     self.load.succeeded(ep.replica)
                     return _Attempt(ep, resp, prefill, track)
                 resp.release()
-                self._ended(ep.replica, prefill, track)
+                self._ended(ep.replica, prefill, track, computed=False)
                 why = unreached or "the replica answered 503"
                 kind = "connect" if unreached else "status"
             self._failed(route, ep, kind)
@@ -650,10 +662,15 @@ class Gateway(Generic[K]):
         if track is not None:
             self.computing.record(*track, replica, now=self.clock())
 
-    def _ended(self, replica: str, prefill: float, track: _Track | None) -> None:
+    def _ended(
+        self, replica: str, prefill: float, track: _Track | None, *, computed: bool = True
+    ) -> None:
         """The request ended (answered, failed or cancelled); what of it was not yet
-        counted off at a first token is now."""
+        counted off at a first token is now. A request that failed (``computed`` False)
+        leaves no claim: the replica most likely holds none of it."""
         self._computed(replica, prefill, track)
+        if not computed and track is not None:
+            self.computing.drop(*track, replica)
         self.load.finished(replica)
 
     def _failed(self, route: ModelRoute, ep: Endpoint, kind: str) -> None:

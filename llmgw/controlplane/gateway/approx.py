@@ -98,6 +98,13 @@ class ApproxTree:
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 
+    def drop(self, model: str, chunks: Sequence[int], replica: str) -> None:
+        """Take back ``replica``'s claim on these chunks (what was sent never got there)."""
+        for h in chunks:
+            entry = self._entries.get((model, h))
+            if entry is not None and entry.pop(replica, None) is not None and not entry:
+                del self._entries[(model, h)]
+
     def forget(self, replica: str) -> None:
         """Drop a replica's claims (it restarted: its cache is empty)."""
         for key in [k for k, v in self._entries.items() if replica in v]:
