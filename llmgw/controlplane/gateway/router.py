@@ -7,23 +7,23 @@ approximate shares (from ``ApproxTree``), the policy, and tie-break inputs. Outp
 ``llmgw_prefix_decisions_total{model,method,outcome}``.
 
 The load rule (every prefix tier) weighs waiting against recomputing, in prompt tokens. A
-candidate's *work* is the prefill still queued on it (this gateway's requests that have not
-had their first token, each at the part of its prompt the engine had to compute, plus what
-other gateways sent, estimated from the engine's request count); a request sent there waits
-for that, then computes the part of its own prompt the replica does not hold. The cost of a
-candidate is ``work + (1 - share) * prompt_tokens * recompute_weight``, and the cheapest
-wins unless the request's home is within reach (below); ties go to the longer share, the lower
-load, then rotation. So a hit never waits behind more prefill than recomputing the prompt
-elsewhere would cost, and a miss goes where the least prefill is queued, not merely the fewest
-requests: a request count treats a 40-token hit and a 2,000-token miss alike. At ``recompute_weight`` 1 each request goes
-where its first token comes soonest by this estimate; above 1 a prefix stays on its holders
-longer, because a copy elsewhere evicts other prompts: a higher hit rate for about the same tail
-(bench/routing.py). The weight applies to precise decisions only: an approximate share is the
-tree's claim, which may be long evicted, and is weighed at 1. A guard in requests remains: only replicas whose load (running + waiting + this gateway's
-in-flight) is within ``load_slack`` of the least-loaded's are eligible (a replica full of
-long decodes has no queued prefill but no free slot either). When a holder of the longest
-share is passed over the outcome is ``overloaded`` (counted: a fleet that is too small shows
-up there).
+candidate's *work* is the prefill still queued on it (this gateway's requests that have not had
+their first token, each at the part of its prompt the engine had to compute, plus what other
+gateways sent, estimated from the engine's request count); a request sent there waits for that,
+then computes the part of its own prompt the replica does not hold. The cost of a candidate is
+``work + (1 - share) * prompt_tokens * recompute_weight``, and the cheapest wins unless the
+request's home is within reach (below); ties go to the longer share, the lower load, then
+rotation. So a hit never waits behind more prefill than recomputing the prompt elsewhere would
+cost, and a miss goes where the least prefill is queued, not merely the fewest requests: a
+request count treats a 40-token hit and a 2,000-token miss alike. At ``recompute_weight`` 1
+each request goes where its first token comes soonest by this estimate; above 1 a prefix stays
+on its holders longer, because a copy elsewhere evicts other prompts: a higher hit rate for
+about the same tail (bench/routing.py). The weight applies to precise decisions only: an
+approximate share is the tree's claim, which may be long evicted, and is weighed at 1. A guard
+in requests remains: only replicas whose load (running + waiting + this gateway's in-flight) is
+within ``load_slack`` of the least-loaded's are eligible (a replica full of long decodes has no
+queued prefill but no free slot either). When a holder of the longest share is passed over the
+outcome is ``overloaded`` (counted: a fleet that is too small shows up there).
 
 Homes: the cheapest alone is myopic about caches. Chats that share a system prompt all find
 it on the one replica that computed it first, recomputing it elsewhere always costs more than
@@ -177,9 +177,9 @@ def decide(
     consulted). ``prompt_tokens``: the prompt's length (tokenized or estimated), what a miss
     costs to compute; 0 leaves the share alone to decide among eligible replicas of equal
     work. ``home``: the request's name for its home when it has no session (``home_key``);
-    ``affinity_tokens``: how much more cost, in prompt tokens, a request accepts to land on
-    its home (0: off). ``rotation``: a counter for round-robin and tie
-    rotation; ``pick`` in [0, 1) for the random policy.
+    ``affinity_tokens``: how much more cost, in prompt tokens, a request accepts to land on its
+    home (0: off). ``rotation``: a counter for round-robin and tie rotation; ``pick`` in [0, 1)
+    for the random policy.
     """
     if not candidates:
         raise ValueError("decide needs at least one candidate")
