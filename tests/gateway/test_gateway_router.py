@@ -15,10 +15,10 @@ from llmgw.controlplane.gateway.router import (
     Candidate,
     Decision,
     HashParams,
-    block_keys,
     decide,
     home_key,
     precise_shares,
+    token_home_key,
 )
 from llmgw.controlplane.gateway.routes import DeclaredRow, RouteRow, build_table
 from llmgw.kv import PrefixIndex, block_hashes, hash64
@@ -253,13 +253,23 @@ def test_chats_sharing_a_system_prompt_spread_over_homes_and_stay_there() -> Non
     assert without == {"ra"}
 
 
-def test_block_keys_name_leading_blocks_like_the_chunks_do() -> None:
+def test_token_home_keys_name_leading_blocks_like_the_chunks_do() -> None:
     tokens = list(range(100))
-    keys = block_keys(tokens, 16)
-    assert len(keys) == 6  # 99 // 16: the last token is always computed
-    assert block_keys(tokens[:64] + [7] * 36, 16)[:4] == keys[:4]  # a shared prefix
-    assert block_keys(tokens[:64] + [7] * 36, 16)[4] != keys[4]
-    assert block_keys(tokens[:32], 16) == keys[:1]  # 32 tokens: the 2nd block never hits
+    other = tokens[:64] + [7] * 36  # shares 4 blocks with it
+
+    def name(ids: list[int], held_blocks: int) -> str | None:
+        units = (len(ids) - 1) // 16  # 99 // 16 = 6: the last token is always computed
+        return token_home_key(ids, 16, [held_blocks / units] if held_blocks else [0.0])
+
+    # Named by the block past the shared prefix (with one of margin): within the 4 shared
+    # blocks the names agree, past them they differ.
+    assert name(tokens, 2) == name(other, 2)  # block 3
+    assert name(tokens, 3) != name(other, 3)  # block 4
+    # A prompt nobody holds is named by its first block; 6 scorable blocks, not 7.
+    assert name(tokens, 0) == name(other, 0) == name(tokens[:32], 0)
+    assert name(tokens, 4) == name(tokens, 6) != name(tokens, 3)  # the last block, at most
+    # 32 tokens: the 2nd block never hits, so the first one names it whatever is held.
+    assert name(tokens[:32], 1) == name(tokens, 0)
 
 
 def test_a_home_never_costs_more_than_the_affinity_tokens() -> None:

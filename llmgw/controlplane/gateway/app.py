@@ -61,10 +61,10 @@ from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.router import (
     Candidate,
     HashParams,
-    block_keys,
     decide,
     home_key,
     precise_shares,
+    token_home_key,
 )
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.controlplane.gateway.tokenize import Tokenizer, tokenize_payload
@@ -137,6 +137,11 @@ class _Routed:
     prompt_tokens: int  # tokenized for precise routing, else the estimate from characters
     prefill: float  # what of them the chosen replica computes, as far as the gateway can tell
     track: _Track | None  # to claim in Gateway.computing while it does
+
+
+def _block_size(eps: Sequence[Endpoint]) -> int:
+    """The smallest KV block among endpoints that hash KV events (precise routing's unit)."""
+    return min(ep.hash.block_size for ep in eps if ep.hash is not None)
 
 
 # KV events reach the index within about this long after an engine computed the blocks (the
@@ -464,14 +469,12 @@ class Gateway(Generic[K]):
         if policy in ("auto", "approximate", "precise") and prompt.text:
             chunks = self.tree.chunks(prompt.text)
             approx = self.tree.score(tree_key, chunks, [c.replica for c in cands], now=now)
-            home = home_key(chunks, approx.values())
         if policy in ("auto", "precise") and not prompt.multimodal:
             tokens = await self._tokens(route, eps, body, prompt, chat)
             if tokens is not None:
                 precise = self._precise(route, eps, cands, tokens, salt) or None
             if precise is not None and tokens is not None:
-                block = min(ep.hash.block_size for ep in eps if ep.hash is not None)
-                home = home_key(block_keys(tokens, block), precise.values())
+                home = token_home_key(tokens, _block_size(eps), precise.values())
             if precise is not None and chunks:
                 # The index hears of blocks only after they are computed, through the
                 # agent's event relay, and the next turn of a chat may come sooner: until
@@ -481,6 +484,8 @@ class Gateway(Generic[K]):
                     tree_key, chunks, [c.replica for c in cands], now=now
                 )
                 precise = {r: max(v, computing.get(r, 0.0)) for r, v in precise.items()}
+        if home is None and chunks and approx is not None:
+            home = home_key(chunks, approx.values())
         prompt_tokens = len(tokens) if tokens is not None else estimate
         decision = decide(
             cands,
@@ -529,7 +534,7 @@ class Gateway(Generic[K]):
             return None
         if prompt.token_ids is not None:
             return prompt.token_ids
-        block = min(ep.hash.block_size for ep in hashed if ep.hash is not None)
+        block = _block_size(hashed)
         if len(prompt.text) < self.settings.precise_min_blocks * block * _CHARS_PER_TOKEN:
             return None
         payload = tokenize_payload(route.name, body, chat=chat)
@@ -658,6 +663,7 @@ class Gateway(Generic[K]):
             prefill = float(prompt_tokens)
 
     def _computed(self, replica: str, prefill: float, track: _Track | None) -> None:
+        """The first token came: the prefill queues no one, its blocks are on their way."""
         self.load.prefilled(replica, prefill)
         if track is not None:
             self.computing.record(*track, replica, now=self.clock())
@@ -668,10 +674,13 @@ class Gateway(Generic[K]):
         """The request ended (answered, failed or cancelled); what of it was not yet
         counted off at a first token is now. A request that failed (``computed`` False)
         leaves no claim: the replica most likely holds none of it."""
-        self._computed(replica, prefill, track)
-        if not computed and track is not None:
+        self.load.finished(replica, prefill)
+        if track is None:
+            return
+        if computed:
+            self.computing.record(*track, replica, now=self.clock())
+        else:
             self.computing.drop(*track, replica)
-        self.load.finished(replica)
 
     def _failed(self, route: ModelRoute, ep: Endpoint, kind: str) -> None:
         self.metrics.inc(self.metrics.upstream_errors, route.name, ep.replica, kind)

@@ -65,10 +65,10 @@ __all__ = [
     "Method",
     "Outcome",
     "Policy",
-    "block_keys",
     "decide",
     "home_key",
     "precise_shares",
+    "token_home_key",
 ]
 
 Policy = Literal["auto", "precise", "approximate", "least_loaded", "round_robin", "random"]
@@ -112,33 +112,38 @@ def _affinity(session: str, replica: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained 64-bit names of the prompt's scorable KV blocks, in the units precise shares
-    count (cheap: not the engine's hash, only a name for ``home_key``)."""
-    out: list[int] = []
-    parent = b""
-    data = array("q", token_ids).tobytes()
-    step = 8 * block_size
-    for start in range(0, scorable_blocks(len(token_ids), block_size) * step, step):
-        digest = hashlib.blake2b(parent + data[start : start + step], digest_size=8).digest()
-        out.append(int.from_bytes(digest, "big"))
-        parent = digest
-    return out
-
-
-def home_key(keys: Sequence[int], shares: Collection[float]) -> str | None:
-    """What names a request's session when none is given: the prompt's first unit past the
-    prefix it shares with others (what the replicas holding least of it, but some, hold).
-    ``keys``: its chained unit names (``block_keys``, or ``ApproxTree.chunks``), in the units
+def _home_unit(units: int, shares: Collection[float]) -> int | None:
+    """Which unit of a prompt of ``units`` names its session: the first past the prefix it
+    shares with others (what the replicas holding least of it, but some, hold), in the units
     ``shares`` count, so the position is exact and every turn of a chat gets one name. A
     group's prompt nobody holds is named by its first unit; a chat whose system prompt some
-    replica holds, by its own first unit past it (one more unit of margin: the unit where
-    they part may still hold only the template's tokens, alike in every chat)."""
-    if not keys:
+    replica holds, by its own first unit past it (one more unit of margin: the unit where they
+    part may still hold only the template's tokens, alike in every chat)."""
+    if units <= 0:
         return None
     common = min((v for v in shares if v > 0.0), default=0.0)
-    start = round(common * len(keys)) + 1 if common > 0.0 else 0
-    return str(keys[min(len(keys) - 1, start)])
+    start = round(common * units) + 1 if common > 0.0 else 0
+    return min(units - 1, start)
+
+
+def home_key(chunks: Sequence[int], shares: Collection[float]) -> str | None:
+    """The session's name when none is given, from the approximate tier: the chained chunk
+    (``ApproxTree.chunks``) that ``_home_unit`` picks, ``shares`` being the tree's."""
+    unit = _home_unit(len(chunks), shares)
+    return None if unit is None else str(chunks[unit])
+
+
+def token_home_key(
+    token_ids: Sequence[int], block_size: int, shares: Collection[float]
+) -> str | None:
+    """The same from precise shares (whole scorable KV blocks): a hash of the tokens up to the
+    end of the block ``_home_unit`` picks, the one prefix that names the session (one pass
+    over those tokens, in C; not the engine's block hash, only a name)."""
+    unit = _home_unit(scorable_blocks(len(token_ids), block_size), shares)
+    if unit is None:
+        return None
+    prefix = array("q", token_ids[: (unit + 1) * block_size]).tobytes()
+    return hashlib.blake2b(prefix, digest_size=8).hexdigest()
 
 
 def _tie_break(tied: Sequence[Candidate], session: str | None, rotation: int) -> Candidate:
