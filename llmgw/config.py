@@ -240,7 +240,9 @@ class GatewaySettings(_Section):
         "request goes where its first token comes soonest by the gateway's estimate; above "
         "1 keeps prefixes on their holders longer (a copy elsewhere evicts other prompts): "
         "a higher hit rate for about the same tail (bench/routing.py). Approximate decisions "
-        "always weigh 1 (the tree's claims may be long evicted).",
+        "always weigh 1 (the tree's claims may be long evicted). A prefix that more of the "
+        "traffic shares than its holders can carry (a system prompt every chat opens with) "
+        "is not weighed at all: sessions copy it to their homes.",
     )
     affinity_tokens: float = Field(
         default=768.0,

@@ -17,6 +17,7 @@ from llmgw.controlplane.gateway.router import (
     HashParams,
     decide,
     home_key,
+    hot_share,
     precise_shares,
     token_home_key,
 )
@@ -253,6 +254,103 @@ def test_chats_sharing_a_system_prompt_spread_over_homes_and_stay_there() -> Non
     assert without == {"ra"}
 
 
+def test_a_long_system_prompt_every_chat_opens_with_spreads_to_every_replica() -> None:
+    # An 800-token system prompt, held by the replica that computed it first: at recompute
+    # weight 3 recomputing it elsewhere costs 2,400 tokens, past any home, so without fork
+    # counts every chat lands there. Counting where prompts part (the tree, as the gateway
+    # records every decision) shows the prefix carries every chat's traffic: sessions take it
+    # to their homes until every replica holds it, and later turns stay home.
+    system = "you are a careful assistant who answers in full " * 64  # ~3,100 chars
+    replicas = ("ra", "rb", "rc")
+
+    def run(count_forks: bool) -> tuple[dict[int, str], set[str]]:
+        tree = ApproxTree(fork_half_life_s=60.0 if count_forks else None)
+        holds: dict[str, set[int]] = {r: set() for r in replicas}  # an ideal cache per replica
+        homes: dict[int, str] = {}
+        for step in range(60):
+            chat, turn = step % 20, step // 20
+            text = system + "".join(
+                f"chat {chat} turn {t}: tell me more. " * 8 for t in range(turn + 1)
+            )
+            chunks = tree.chunks(text)
+            shares = {}
+            for r in replicas:
+                depth = 0
+                while depth < len(chunks) and chunks[depth] in holds[r]:
+                    depth += 1
+                shares[r] = depth / len(chunks)
+            hot = hot_share(tree.fork_shares("m", chunks, now=step), len(chunks), shares.values())
+            d = decide(
+                [A, B, C],
+                policy="auto",
+                precise=shares,
+                prompt_tokens=len(text) // 4,
+                recompute_weight=3.0,
+                affinity_tokens=768.0,
+                hot=hot,
+                home=home_key(chunks, shares.values()),
+            )
+            tree.record("m", chunks, d.replica, now=step)
+            holds[d.replica].update(chunks)
+            # Past the first prompts (too few to count forks on) a chat stays where it began;
+            # the first chats, piled on the system prompt's holder, move home once.
+            if turn == 0 or (turn == 1 and step < 20 + 8):
+                homes[chat] = d.replica
+            else:
+                assert d.replica == homes[chat], "a later turn left its history"
+        system_chunk = tree.chunks(system)[-1]
+        return homes, {r for r in replicas if system_chunk in holds[r]}
+
+    homes, holders = run(count_forks=True)
+    assert holders == set(replicas)
+    assert set(homes.values()) == set(replicas)
+    assert max(list(homes.values()).count(r) for r in replicas) <= 12
+    homes, holders = run(count_forks=False)
+    assert set(homes.values()) == {"ra"} and holders == {"ra"}
+
+
+@pytest.mark.parametrize(
+    ("forks", "shares", "want"),
+    [
+        # Every prompt parts after chunk 4 (index 3): held by 1 of 3, it deserves 3 copies.
+        ([0, 0, 0, 1.0, 0, 0], [0.6, 0.0, 0.0], 4 / 8),
+        # Held by all three: enough copies.
+        ([0, 0, 0, 1.0, 0, 0], [0.6, 0.9, 0.7], 0.0),
+        # A third of the traffic (a group's prompt): one copy carries it.
+        ([0, 0, 0, 0.33, 0, 0], [0.6, 0.0, 0.0], 0.0),
+        # Half of it over three replicas, held by one: a second copy is worth having.
+        ([0, 0, 0, 0.5, 0, 0], [0.6, 0.0, 0.0], 4 / 8),
+        # ... held by two: not a third.
+        ([0, 0, 0, 0.5, 0, 0], [0.6, 0.5, 0.0], 0.0),
+        # The deepest fork that deserves more copies wins over a shallower one.
+        ([0, 0.9, 0, 0, 0.8, 0], [0.7, 0.3, 0.3], 5 / 8),
+        # No fork counts yet (too few prompts): nothing is hot.
+        ([], [0.6, 0.0, 0.0], 0.0),
+    ],
+)
+def test_hot_share_is_the_deepest_prefix_with_fewer_copies_than_its_traffic_deserves(
+    forks: list[float], shares: list[float], want: float
+) -> None:
+    assert hot_share(forks, 8, shares) == pytest.approx(want)
+
+
+def test_a_hot_prefix_costs_nothing_to_recompute_and_a_cold_one_keeps_its_weight() -> None:
+    held = {"ra": 0.8, "rb": 0.0, "rc": 0.0}
+    args: dict[str, Any] = {"policy": "auto", "precise": held, "prompt_tokens": 1000}
+    busy = [_load(A, 1, work=1500.0), B, C]
+    # Cold: waiting 1,500 tokens beats recomputing 800 at weight 3.
+    assert decide(busy, **args).replica == "ra"
+    # Hot: recomputing the shared 80% counts as nothing; the rest (200 at weight 3) is the
+    # same everywhere, so the least work wins, and the outcome still says a holder was passed.
+    d = decide(busy, **args, hot=0.8)
+    assert d.replica in ("rb", "rc") and d.outcome == "overloaded"
+    # The part past the hot prefix keeps its weight: a holder of the whole prompt with 500
+    # tokens queued stays (elsewhere the last 200 cost 600).
+    whole = {"ra": 1.0, "rb": 0.8, "rc": 0.0}
+    queued = [_load(A, 1, work=500.0), B, C]
+    assert decide(queued, **{**args, "precise": whole}, hot=0.8).replica == "ra"
+
+
 def test_token_home_keys_name_leading_blocks_like_the_chunks_do() -> None:
     tokens = list(range(100))
     other = tokens[:64] + [7] * 36  # shares 4 blocks with it
@@ -436,6 +534,43 @@ def test_approx_tree_is_bounded_lru() -> None:
     # The newest survive, the oldest are gone.
     assert tree.score("m", tree.chunks(f"{4999:08d}"), ["ra"], now=5000) == {"ra": 1.0}
     assert tree.score("m", tree.chunks(f"{0:08d}"), ["ra"], now=5000)["ra"] < 1.0
+
+
+def test_the_tree_counts_where_prompts_part() -> None:
+    tree = ApproxTree(chunk_chars=4, ttl_s=100, fork_half_life_s=10.0)
+    system = "abcdefghijklmnop"  # 4 chunks every prompt opens with
+    chats = [system + f"{c:04d}" + "x" * 8 for c in range(4)]
+    # Too few prompts for a share to mean anything.
+    tree.record("m", tree.chunks(chats[0]), "ra", now=0)
+    assert tree.fork_shares("m", tree.chunks(chats[0]), now=0) == []
+    now = 0.0
+    for turn in range(4):
+        for c, text in enumerate(chats):  # chats interleave: each parts from the one before
+            now += 0.01
+            chats[c] = text + f"{turn}" * 4
+            tree.record("m", tree.chunks(chats[c]), "ra", now=now)
+    forks = tree.fork_shares("m", tree.chunks(chats[0]), now=now)
+    # Every prompt but the first two (chat 0 twice in a row) parted right after the system
+    # prompt, none inside it, and a chat's history never parts (each turn extends the last).
+    assert forks[3] == pytest.approx(15 / 17, rel=0.01)
+    assert forks[:3] == [0.0, 0.0, 0.0]
+    assert all(f == 0.0 for f in forks[4:])
+    # One chat's turns alone part nowhere.
+    solo = ApproxTree(chunk_chars=4, ttl_s=100)
+    text = system
+    for turn in range(12):
+        text += f"{turn:04d}"
+        solo.record("m", solo.chunks(text), "ra", now=turn)
+    assert not any(solo.fork_shares("m", solo.chunks(text), now=12))
+    # Counts decay (half-life 10 s) like the prompt count they are shared by: the share
+    # stays, and a model that has gone quiet for long says nothing.
+    assert tree.fork_shares("m", tree.chunks(chats[0]), now=now + 10)[3] == pytest.approx(forks[3])
+    assert tree.fork_shares("m", tree.chunks(chats[0]), now=now + 100) == []
+    # A tree of claims only (the gateway's in-flight claims) counts nothing.
+    claims = ApproxTree(chunk_chars=4, fork_half_life_s=None)
+    for text in chats * 4:
+        claims.record("m", claims.chunks(text), "ra", now=float("inf"))
+    assert claims.fork_shares("m", claims.chunks(chats[0]), now=1.0) == []
 
 
 @given(st.text(max_size=200), st.integers(1, 16))

@@ -63,6 +63,7 @@ from llmgw.controlplane.gateway.router import (
     HashParams,
     decide,
     home_key,
+    hot_share,
     precise_shares,
     token_home_key,
 )
@@ -179,7 +180,9 @@ class Gateway(Generic[K]):
         self.tree = ApproxTree(max_entries=s.approx_max_entries, ttl_s=s.approx_ttl_s)
         # What this gateway's requests are computing where, claimed until their first token
         # (+inf) and for _INDEX_LAG_S after: what a replica holds before the index can say.
-        self.computing = ApproxTree(max_entries=_COMPUTING_MAX_ENTRIES, ttl_s=_INDEX_LAG_S)
+        self.computing = ApproxTree(
+            max_entries=_COMPUTING_MAX_ENTRIES, ttl_s=_INDEX_LAG_S, fork_half_life_s=None
+        )
         self.budget = RetryBudget(ratio=s.retry_budget_ratio)
         self._random = random.Random()
         self.created = int(time.time())
@@ -486,6 +489,12 @@ class Gateway(Generic[K]):
                 precise = {r: max(v, computing.get(r, 0.0)) for r, v in precise.items()}
         if home is None and chunks and approx is not None:
             home = home_key(chunks, approx.values())
+        hot = 0.0
+        if chunks and approx is not None:
+            # Each candidate as decide() scores it: precisely where it can, else by the tree.
+            view = approx if precise is None else {**approx, **precise}
+            forks = self.tree.fork_shares(tree_key, chunks, now=now)
+            hot = hot_share(forks, len(chunks), view.values())
         prompt_tokens = len(tokens) if tokens is not None else estimate
         decision = decide(
             cands,
@@ -496,6 +505,7 @@ class Gateway(Generic[K]):
             prompt_tokens=prompt_tokens,
             recompute_weight=self.settings.recompute_weight,
             affinity_tokens=self.settings.affinity_tokens,
+            hot=hot,
             home=home,
             session=session,
             rotation=self._rotation,

@@ -11,12 +11,20 @@ older than ``ttl_s`` no longer scores: the engine has most likely evicted the bl
 Without tokens, characters stand in for them: what the tree can say is "this replica was sent
 this prefix recently", never that it still holds it; the precise tier exists for that.
 
+The tree also counts where prompts part (``fork_shares``): per chunk, how many recent prompts
+continued otherwise than the one recorded before them (a decayed count, half-life
+``fork_half_life_s``), as a share of the model's recent prompts. Turns of one chat extend each
+other and never part; different chats part right after the system prompt they share, so the
+count at a prefix's last chunk measures how much traffic of distinct sessions it carries, which
+says how many replicas deserve a copy (router.hot_share).
+
 Pure: time is passed in. This module must NOT do I/O, read clocks or import the control plane.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -36,16 +44,63 @@ def chunk_hashes(text: str, chunk_chars: int) -> list[int]:
     return out
 
 
-class ApproxTree:
-    """What this gateway sent where, per model, by chained chunk hashes; bounded, LRU + TTL."""
+# Fork shares say nothing until a model has seen this many prompts (decayed): the second
+# prompt ever would otherwise make whatever it shares with the first look like everyone's.
+_MIN_PROMPTS = 8.0
+# Models (tree keys: model and cache salt) whose prompt count is kept, least recent out.
+_MAX_MODELS = 4096
 
-    def __init__(self, *, chunk_chars: int = 64, max_entries: int = 200_000, ttl_s: float = 600.0):
+
+class _Entry:
+    """One chunk: who was sent it when, and how often prompts parted right after it."""
+
+    __slots__ = ("after", "at", "forks", "sent")
+
+    def __init__(self) -> None:
+        self.sent: dict[str, float] = {}  # replica -> when it was last sent this prefix
+        self.after: int | None = None  # the chunk that followed it in the last prompt recorded
+        self.forks = 0.0  # decayed count of prompts that continued otherwise than the one before
+        self.at = 0.0  # when ``forks`` was last decayed
+
+
+class _Count:
+    __slots__ = ("at", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.at = 0.0
+
+
+def _decayed(value: float, at: float, now: float, half_life_s: float) -> float:
+    if now <= at:
+        return value
+    return value * math.exp2(-(now - at) / half_life_s)
+
+
+class ApproxTree:
+    """What this gateway sent where, per model, by chained chunk hashes; bounded, LRU + TTL.
+
+    ``fork_half_life_s``: None counts no forks (a tree of claims only, whose ``now`` may be
+    +inf: claimed until further notice)."""
+
+    def __init__(
+        self,
+        *,
+        chunk_chars: int = 64,
+        max_entries: int = 200_000,
+        ttl_s: float = 600.0,
+        fork_half_life_s: float | None = 60.0,
+    ):
         if chunk_chars < 1 or max_entries < 1 or ttl_s <= 0:
             raise ValueError("ApproxTree needs chunk_chars >= 1, max_entries >= 1, ttl_s > 0")
+        if fork_half_life_s is not None and fork_half_life_s <= 0:
+            raise ValueError("ApproxTree needs fork_half_life_s > 0 (or None: no fork counts)")
         self.chunk_chars = chunk_chars
         self.max_entries = max_entries
         self.ttl_s = ttl_s
-        self._entries: OrderedDict[tuple[str, int], dict[str, float]] = OrderedDict()
+        self.fork_half_life_s = fork_half_life_s
+        self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self._prompts: OrderedDict[str, _Count] = OrderedDict()  # model -> prompts recorded
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -73,7 +128,8 @@ class ApproxTree:
             entry = self._entries.get((model, h))
             if entry is None:
                 break
-            held = {r for r in alive if entry.get(r, -1e300) >= oldest}
+            sent = entry.sent
+            held = {r for r in alive if sent.get(r, -1e300) >= oldest}
             for gone in alive - held:
                 depth_of[gone] = depth
             alive = held
@@ -84,31 +140,71 @@ class ApproxTree:
             depth_of[r] = depth
         return {r: d / total for r, d in depth_of.items()}
 
-    def record(self, model: str, chunks: Sequence[int], replica: str, *, now: float) -> None:
-        """Remember that ``replica`` was sent this prefix at ``now``."""
-        entries = self._entries
+    def fork_shares(self, model: str, chunks: Sequence[int], *, now: float) -> list[float]:
+        """Per leading chunk the tree knows (it stops at the first it does not): the share of
+        the model's recent prompts that parted from the prompt before them right after it.
+        Empty while the model has seen too few prompts for a share to mean anything."""
+        half = self.fork_half_life_s
+        count = self._prompts.get(model)
+        if half is None or count is None:
+            return []
+        prompts = _decayed(count.value, count.at, now, half)
+        if prompts < _MIN_PROMPTS:
+            return []
+        out: list[float] = []
         for h in chunks:
+            entry = self._entries.get((model, h))
+            if entry is None:
+                break
+            forks = entry.forks and _decayed(entry.forks, entry.at, now, half)  # most are 0
+            out.append(min(1.0, forks / prompts))
+        return out
+
+    def record(self, model: str, chunks: Sequence[int], replica: str, *, now: float) -> None:
+        """Remember that ``replica`` was sent this prefix at ``now`` (and, counting forks,
+        where this prompt parted from the one recorded before it)."""
+        entries = self._entries
+        half = self.fork_half_life_s
+        last = len(chunks) - 1
+        for i, h in enumerate(chunks):
             key = (model, h)
             entry = entries.get(key)
             if entry is None:
-                entries[key] = {replica: now}
+                entry = entries[key] = _Entry()
             else:
-                entry[replica] = now
                 entries.move_to_end(key)
+            entry.sent[replica] = now
+            if half is None or i == last:
+                continue  # a prompt that ends here parts from nothing: the next turn extends it
+            after = chunks[i + 1]
+            if entry.after is not None and entry.after != after:
+                entry.forks = _decayed(entry.forks, entry.at, now, half) + 1.0
+                entry.at = now
+            entry.after = after
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
+        if half is not None and chunks:
+            count = self._prompts.get(model)
+            if count is None:
+                count = self._prompts[model] = _Count()
+            else:
+                self._prompts.move_to_end(model)
+            count.value = _decayed(count.value, count.at, now, half) + 1.0
+            count.at = now
+            while len(self._prompts) > _MAX_MODELS:
+                self._prompts.popitem(last=False)
 
     def drop(self, model: str, chunks: Sequence[int], replica: str) -> None:
         """Take back ``replica``'s claim on these chunks (what was sent never got there)."""
         for h in chunks:
             entry = self._entries.get((model, h))
-            if entry is not None and entry.pop(replica, None) is not None and not entry:
+            if entry is not None and entry.sent.pop(replica, None) is not None and not entry.sent:
                 del self._entries[(model, h)]
 
     def forget(self, replica: str) -> None:
         """Drop a replica's claims (it restarted: its cache is empty)."""
-        for key in [k for k, v in self._entries.items() if replica in v]:
-            entry = self._entries[key]
-            del entry[replica]
-            if not entry:
+        for key in [k for k, v in self._entries.items() if replica in v.sent]:
+            sent = self._entries[key].sent
+            del sent[replica]
+            if not sent:
                 del self._entries[key]
