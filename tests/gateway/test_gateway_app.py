@@ -13,6 +13,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -576,3 +577,48 @@ def test_bodies_the_gateway_reads_from_an_engine_are_capped() -> None:
         assert asyncio.run(read(f"{base}/1000001")) is None
         assert asyncio.run(read(f"{base}/1000001?declared")) is None
         assert asyncio.run(read(f"{base}/200000000")) is None  # stops reading, not 200 MB later
+
+
+def _decisions(gw: Served, outcome: str) -> float:
+    line = f'llmgw_prefix_decisions_total{{method="approximate",model="m",outcome="{outcome}"}}'
+    for row in gw.metrics_text().splitlines():
+        if row.startswith(line):
+            return float(row.rsplit(None, 1)[1])
+    return 0.0
+
+
+def test_a_restarted_engine_loses_the_trees_claims_and_a_reconnected_one_keeps_them(
+    sims: list[SimProcess],
+) -> None:
+    # The tree remembers what it sent where; an engine restarted since (a new process in the
+    # route table: empty KV cache) holds none of it, an unchanged one still does.
+    def routes(incarnation: str) -> RouteTable:
+        eps = tuple(
+            replace(endpoint(f"r{i}", s.base_url), incarnation=f"{incarnation}-{i}")
+            for i, s in enumerate(sims)
+        )
+        return table({"m": eps})
+
+    # Homes off: a short prompt's home may be another replica than its holder.
+    settings = GatewaySettings(routing_policy="approximate", affinity_tokens=0)
+    prompt = "a long shared instruction about the sea and its tides. " * 8  # 7 chunks
+    with serve_gateway(routes("boot1"), KEYS, settings=settings) as gw:
+        client = _client(gw)
+
+        def ask() -> None:
+            client.completions.create(model="m", prompt=prompt, max_tokens=1)
+
+        ask()
+        ask()
+        assert (_decisions(gw, "miss"), _decisions(gw, "hit")) == (1.0, 1.0)
+        # The table re-read, the same processes (an agent reconnected, a replica drained and
+        # back): claims stand.
+        gw.gateway.routes.table = routes("boot1")  # type: ignore[misc]
+        ask()
+        assert (_decisions(gw, "miss"), _decisions(gw, "hit")) == (1.0, 2.0)
+        # New processes: the prompt is nobody's; what is sent after the restart counts.
+        gw.gateway.routes.table = routes("boot2")  # type: ignore[misc]
+        ask()
+        assert (_decisions(gw, "miss"), _decisions(gw, "hit")) == (2.0, 2.0)
+        ask()
+        assert (_decisions(gw, "miss"), _decisions(gw, "hit")) == (2.0, 3.0)

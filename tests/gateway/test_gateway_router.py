@@ -526,6 +526,17 @@ def test_approx_tree_scores_leading_chunks_per_model_and_replica() -> None:
     assert tree.score("m", tree.chunks(system), ["ra"], now=11) == {"ra": 0.0}
 
 
+def test_a_forgotten_replicas_claims_before_the_restart_no_longer_score() -> None:
+    tree = ApproxTree(chunk_chars=4, ttl_s=100)
+    chunks = tree.chunks("abcdefghijklmnop")
+    tree.record("m", chunks, "ra", now=1)
+    tree.record("m", chunks, "rb", now=1)
+    tree.forget("ra", now=5)  # its engine restarted at 5
+    assert tree.score("m", chunks, ["ra", "rb"], now=6) == {"ra": 0.0, "rb": 1.0}
+    tree.record("m", chunks[:2], "ra", now=7)  # sent to the new process
+    assert tree.score("m", chunks, ["ra", "rb"], now=8) == {"ra": 0.5, "rb": 1.0}
+
+
 def test_approx_tree_is_bounded_lru() -> None:
     tree = ApproxTree(chunk_chars=2, max_entries=1000, ttl_s=100)
     for i in range(5000):

@@ -68,6 +68,15 @@ async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
             )
             assert alpha.endpoints[0].url == f"http://agent:9/shards/{a}"
             assert alpha.endpoints[0].api_key == "engine-key"
+            # The engine process behind it, as its agent reported it: a restart changes it.
+            await _sql(
+                sessions,
+                "UPDATE shards SET boot_id = 'boot-1', pid = 4242, process_start_time = 99 "
+                "WHERE id = :id",
+                id=a,
+            )
+            await cache.refresh()
+            assert cache.table.routes["alpha"].endpoints[0].incarnation == "boot-1:4242:99"
             # Draining: known (503), not routable.
             assert beta.endpoints == ()
             # Every shard released (scaled to zero, or replaced): still known, from the

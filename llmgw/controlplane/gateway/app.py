@@ -150,6 +150,9 @@ def _block_size(eps: Sequence[Endpoint]) -> int:
 _INDEX_LAG_S = 2.0
 # Prompts being computed, all models together: in-flight requests' chunks, a few per request.
 _COMPUTING_MAX_ENTRIES = 50_000
+# Replicas whose engine process the gateway remembers (to see a restart), out of the table
+# included; past it only those in the table are kept.
+_MAX_INCARNATIONS = 100_000
 
 
 @dataclass
@@ -171,6 +174,9 @@ class Gateway(Generic[K]):
     _tokenizer: Tokenizer | None = field(default=None, init=False)
     _rotation: int = field(default=0, init=False)
     _stats_task: asyncio.Task[None] | None = field(default=None, init=False)
+    _seen_table: RouteTable | None = field(default=None, init=False)
+    # replica -> the engine process behind it when last seen (Endpoint.incarnation)
+    _incarnations: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -216,6 +222,33 @@ class Gateway(Generic[K]):
                 log.error("gateway_stop_failed", exc_info=True)
         if self._http is not None:
             await self._http.close()
+
+    def _table(self) -> RouteTable:
+        """The route table, having forgotten the claims on replicas whose engine restarted
+        since the last table (a new process has an empty KV cache; until its blocks' events
+        reach the index, and for the approximate tier at all, the trees would still send
+        the restarted replica every prompt it was once sent, to recompute it)."""
+        table = self.routes.table
+        if table is self._seen_table:
+            return table
+        self._seen_table = table
+        now = self.clock()
+        seen = self._incarnations
+        current: dict[str, str] = {}
+        for route in table.routes.values():
+            for ep in route.endpoints:
+                current[ep.replica] = ep.incarnation
+                was = seen.get(ep.replica)
+                if was and ep.incarnation and was != ep.incarnation:
+                    self.tree.forget(ep.replica, now=now)
+                    self.computing.forget(ep.replica, now=now)
+                    log.info("gateway_replica_restarted", replica=ep.replica)
+        # Replicas out of the table (restarting, draining) keep their last process, to be
+        # compared when they return; replicas long gone are dropped past a bound.
+        if len(seen) + len(current) > _MAX_INCARNATIONS:
+            seen.clear()
+        seen.update(current)
+        return table
 
     def _ready_endpoints(self) -> list[Endpoint]:
         seen: dict[str, Endpoint] = {}
@@ -321,7 +354,7 @@ class Gateway(Generic[K]):
             raise bad_request("`model` is required: a name from GET /v1/models", param="model")
         prompt = prompt_of(body, chat=chat)
         allowed = key.allowed_models
-        route = self.routes.table.get(model)
+        route = self._table().get(model)
         if route is None or (allowed is not None and model not in allowed):
             self.metrics.inc(self.metrics.requests, "_unknown", "", "404")
             raise GatewayError.model_not_found(model)

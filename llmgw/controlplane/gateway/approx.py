@@ -49,6 +49,8 @@ def chunk_hashes(text: str, chunk_chars: int) -> list[int]:
 _MIN_PROMPTS = 8.0
 # Models (tree keys: model and cache salt) whose prompt count is kept, least recent out.
 _MAX_MODELS = 4096
+# Restarted replicas remembered at once, past which floors older than the TTL are dropped.
+_MAX_FLOORS = 1024
 
 
 class _Entry:
@@ -101,6 +103,7 @@ class ApproxTree:
         self.fork_half_life_s = fork_half_life_s
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._prompts: OrderedDict[str, _Count] = OrderedDict()  # model -> prompts recorded
+        self._floors: dict[str, float] = {}  # replica -> claims before this do not score
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -123,13 +126,15 @@ class ApproxTree:
             return dict.fromkeys(names, 0.0)
         alive = set(names)
         oldest = now - self.ttl_s
+        floors = self._floors
+        since = {r: max(oldest, floors.get(r, oldest)) for r in names}
         depth = 0
         for h in chunks:
             entry = self._entries.get((model, h))
             if entry is None:
                 break
             sent = entry.sent
-            held = {r for r in alive if sent.get(r, -1e300) >= oldest}
+            held = {r for r in alive if sent.get(r, -1e300) >= since[r]}
             for gone in alive - held:
                 depth_of[gone] = depth
             alive = held
@@ -201,10 +206,13 @@ class ApproxTree:
             if entry is not None and entry.sent.pop(replica, None) is not None and not entry.sent:
                 del self._entries[(model, h)]
 
-    def forget(self, replica: str) -> None:
-        """Drop a replica's claims (it restarted: its cache is empty)."""
-        for key in [k for k, v in self._entries.items() if replica in v.sent]:
-            sent = self._entries[key].sent
-            del sent[replica]
-            if not sent:
-                del self._entries[key]
+    def forget(self, replica: str, *, now: float) -> None:
+        """Claims on ``replica`` made before ``now`` no longer score (its engine restarted:
+        the cache is empty). O(1): a floor per replica, not a walk over every entry while
+        requests wait; the claims themselves age out of the LRU as usual."""
+        floors = self._floors
+        floors[replica] = now
+        if len(floors) > _MAX_FLOORS:
+            # Past the TTL a floor hides nothing the TTL does not: only recent ones matter.
+            for gone in [r for r, at in floors.items() if at < now - self.ttl_s]:
+                del floors[gone]

@@ -65,6 +65,8 @@ class Endpoint:
     index_model: str  # the name the KV index files this shard's blocks under
     hash: HashParams | None  # None: the profile has no kv_events, precise routing impossible
     adapters: Mapping[str, str]  # LoRA name -> path, as the engine was given them
+    # The engine process behind it (boot id, pid, start time): a new one has an empty KV cache.
+    incarnation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,7 @@ class RouteRow:
     ready: bool
     index_model: str
     profile: Mapping[str, Any]
+    incarnation: str = ""
 
 
 def _hash_params(profile: Mapping[str, Any]) -> HashParams | None:
@@ -159,6 +162,7 @@ def build_table(
             index_model=row.index_model or name,
             hash=_hash_params(row.profile),
             adapters=loras,
+            incarnation=row.incarnation,
         )
         eps = models.setdefault(name, [])
         if row.ready:
@@ -185,7 +189,8 @@ _READ = text(
     "(s.observed_state = 'ready' AND s.desired_state = 'running' AND r.state = 'active' "
     "AND s.proxy_url <> '') AS ready, "
     "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS index_model, "
-    "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile "
+    "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile, "
+    "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation "
     "FROM shards s JOIN replicas r ON r.id = s.replica_id "
     "LEFT JOIN deployments d ON d.id = r.deployment_id "
     "LEFT JOIN models m ON m.id = d.model_id "
@@ -227,6 +232,7 @@ async def read_routes(session: AsyncSession) -> list[RouteRow]:
             ready=bool(r.ready),
             index_model=r.index_model or "",
             profile=r.profile if isinstance(r.profile, dict) else {},
+            incarnation=r.incarnation or "",
         )
         for r in result
     ]
