@@ -98,6 +98,37 @@ def test_timed_oracle_hits_only_blocks_whose_prefill_is_done() -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(90)
+def test_the_clairvoyant_replay_places_each_request_at_its_soonest_first_token() -> None:
+    # Two 1,000-token misses at once on two replicas: apart, each waits for its own prefill
+    # only (2 ms + 0.3 ms per token); on one, the second waits for the first's step. Then
+    # the first prompt again plus a block: to its holder, where only that block is computed.
+    sys.path.insert(0, str(BENCH))
+    try:
+        from engine_replay import Arrival, replay
+    finally:
+        sys.path.remove(str(BENCH))
+    from llmgw.simengine.scheduler import SchedulerConfig
+    from llmgw.simengine.timing import TimingModel
+
+    rng = random.Random(3)
+    a, b = (tuple(rng.randrange(100, 10_000) for _ in range(1000)) for _ in range(2))
+    again = a[:992] + tuple(rng.randrange(100, 10_000) for _ in range(24))
+    trace = [Arrival(0.0, a, 1), Arrival(0.001, b, 1), Arrival(2.0, again, 1)]
+    sizes = {
+        "replicas": 2,
+        "config": SchedulerConfig(num_blocks=256, block_size=16, max_num_batched_tokens=2048),
+        "timing": TimingModel(step_overhead_ms=2.0, prefill_ms_per_token=0.3),
+    }
+    best = replay(trace, assign="clairvoyant", **sizes)
+    assert best.ttft_s[0] == pytest.approx(0.302)
+    assert best.ttft_s[1] == pytest.approx(0.302)
+    assert best.ttft_s[2] == pytest.approx((2.0 + 0.3 * 24) / 1e3)  # 62 blocks cached
+    assert best.hit_rate == pytest.approx(992 / 3016)
+    # One replica: the second miss waits a whole step behind the first.
+    alone = replay(trace, **{**sizes, "replicas": 1}, assign="clairvoyant")
+    assert alone.ttft_s[1] == pytest.approx(0.302 + 0.302 - 0.001)
+
+
 def test_gateway_bench_reports_every_phase_against_direct_and_the_floor() -> None:
     gateway = _load("gateway")
     result = gateway.main(
@@ -140,5 +171,9 @@ def test_routing_bench_reports_hit_rates_ttft_and_the_oracle() -> None:
         oracle = got["oracle"]
         assert oracle["prompt_token_mismatches"] == 0
         assert 0 <= oracle["timed"] <= oracle["untimed"] <= oracle["upper_bound_infinite_cache"]
+        # The clairvoyant replay places no request later than at random would, in the tail.
+        clairvoyant = oracle["clairvoyant_replayed_ttft_p90_ms"]
+        assert 0 < clairvoyant <= oracle["random_replayed_ttft_p90_ms"]
+        assert got["median"]["clairvoyant_ttft_p90_ms"] > 0
     # The shared prompts repeat, so something must have hit somewhere.
     assert result["results"]["shared_prefix"]["precise"]["cached_tokens"] > 0
