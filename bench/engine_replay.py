@@ -2,7 +2,7 @@
 simulator's own scheduler and step cost model (pure: stepped without sleeping), one scheduler
 per replica, under an assignment of requests to replicas.
 
-Two assignments:
+Three assignments:
 
 - ``random``: each request to a replica drawn at random, to check the model against the
   measured random run (same engine rules, no network, no gateway);
@@ -13,7 +13,14 @@ Two assignments:
   beat it on hit rate, rarely on the tail. What it says is how low TTFT p90 goes when every
   request is placed as well as it can be on arrival, on this trace at this load: a ratio to
   random far from the issue's target there means the target is a question of load, not of
-  routing.
+  routing;
+- ``router``: llmgw's own rule (``router.decide`` with homes, and ``LoadTracker`` for load and
+  work), one tracker per gateway of the trace, each knowing its own requests' prefill until
+  their first token and the others' only through a scrape of the engines' request counts
+  every ``load_scrape_s``, as the running gateways do; precise shares read from the engines'
+  exact caches (no index lag, no tokenize call, no network). Its p90 against the measured
+  precise run's says what the system loses outside the rule; against the clairvoyant's, what
+  the rule and the gateways' view of the load lose.
 
 Used by bench/routing.py (``oracle.clairvoyant_*`` per run). Seconds per run: a copy of each
 replica's scheduler per request.
@@ -22,11 +29,16 @@ replica's scheduler per request.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llmgw.config import GatewaySettings
+from llmgw.controlplane.gateway.load import LoadTracker
+from llmgw.controlplane.gateway.router import Candidate, decide, token_home_key
+from llmgw.kv import scorable_blocks
 from llmgw.kv.hashing import BlockHash
 from llmgw.simengine.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from llmgw.simengine.timing import TimingModel
@@ -39,6 +51,7 @@ class Arrival:
     at: float  # seconds from the start of the trace
     prompt: tuple[int, ...]  # token ids, as the simulator tokenizes the request
     output_tokens: int  # what the engine generated for it in the measured run
+    gateway: int = 0  # which gateway the client sent it to
 
 
 def _hasher(parent: BlockHash | None, tokens: tuple[int, ...], index: int) -> BlockHash:
@@ -52,6 +65,7 @@ class _Replica:
     now: float = 0.0  # when its current step ends (or since when it idles)
     first: dict[str, float] = field(default_factory=dict)  # request -> its first token
     cached: dict[str, int] = field(default_factory=dict)  # request -> prefix hit, in tokens
+    done: dict[str, float] = field(default_factory=dict)  # request -> when it finished
 
     def step(self, timing: TimingModel) -> None:
         result = self.sched.step()
@@ -60,6 +74,8 @@ class _Replica:
             self.first.setdefault(rid, self.now)
         for rid, hit in result.admitted:
             self.cached.setdefault(rid, hit)
+        for rid in result.finished:
+            self.done[rid] = self.now
         self.sched.take_events()  # nobody listens offline; events would pile up
 
     def advance(self, t: float, timing: TimingModel) -> None:
@@ -75,6 +91,45 @@ class _Replica:
             self.step(timing)
         return self.first[rid]
 
+    def share(self, prompt: tuple[int, ...], block_size: int) -> float:
+        """The prompt's scorable leading blocks this replica's cache holds, as a share (what
+        the KV index would say with no lag)."""
+        n = scorable_blocks(len(prompt), block_size)
+        if n == 0:
+            return 0.0
+        cached = set(self.sched.cached_block_hashes())
+        parent: BlockHash | None = None
+        for i in range(n):
+            parent = _hasher(parent, prompt[i * block_size : (i + 1) * block_size], i)
+            if parent not in cached:
+                return i / n
+        return 1.0
+
+
+@dataclass(slots=True)
+class _Gateway:
+    """One gateway's view: its LoadTracker, fed as the running gateway feeds it."""
+
+    load: LoadTracker
+    next_scrape: float  # when it next reads the engines' request counts
+    sent: list[tuple[str, int, float]] = field(default_factory=list)  # rid, replica, prefill
+    prefilled: set[str] = field(default_factory=set)
+
+    def catch_up(self, fleet: list[_Replica], now: float) -> None:
+        """Count off first tokens and ends the gateway has seen by ``now``."""
+        still = []
+        for rid, k, prefill in self.sent:
+            rep = fleet[k]
+            if rid not in self.prefilled and rep.first.get(rid, math.inf) <= now:
+                self.load.prefilled(f"replica-{k}", prefill)
+                self.prefilled.add(rid)
+            if rep.done.get(rid, math.inf) <= now:
+                self.load.finished(f"replica-{k}")
+                self.prefilled.discard(rid)
+            else:
+                still.append((rid, k, prefill))
+        self.sent = still
+
 
 @dataclass(frozen=True, slots=True)
 class Replayed:
@@ -88,14 +143,27 @@ def replay(
     replicas: int,
     config: SchedulerConfig,
     timing: TimingModel,
-    assign: Literal["random", "clairvoyant"],
+    assign: Literal["random", "clairvoyant", "router"],
     seed: int = 0,
+    settings: GatewaySettings | None = None,
 ) -> Replayed:
-    """Each request's TTFT (``arrivals`` must be in time order) and the hit rate."""
+    """Each request's TTFT (``arrivals`` must be in time order) and the hit rate.
+    ``settings``: the gateways' (router mode), defaults if None."""
     fleet = [_Replica(Scheduler(config)) for _ in range(replicas)]
     rng = random.Random(seed)
     ids: list[str] = []
     homes: list[_Replica] = []
+    s = settings or GatewaySettings()
+    count = max((a.gateway for a in arrivals), default=0) + 1
+    gateways = [
+        _Gateway(
+            LoadTracker(eject_after=1, eject_for_s=1.0, clock=lambda: 0.0),
+            # Each gateway scrapes on its own phase, as processes started apart do.
+            next_scrape=g * s.load_scrape_s / count,
+        )
+        for g in range(count)
+    ]
+    sent_at: list[tuple[str, int, float]] = []  # every request: rid, replica, when sent
     for i, a in enumerate(arrivals):
         rid = f"r{i}"
         spec = RequestSpec(
@@ -108,6 +176,45 @@ def replay(
             rep.advance(a.at, timing)
         if assign == "random":
             chosen = fleet[rng.randrange(replicas)]
+        elif assign == "router":
+            # The scrapes due by now, in order, each seeing the engines as they were then.
+            while (gw := min(gateways, key=lambda g: g.next_scrape)).next_scrape <= a.at:
+                at = gw.next_scrape
+                gw.catch_up(fleet, at)
+                for k, rep in enumerate(fleet):
+                    engine = sum(
+                        1
+                        for r, kk, t in sent_at
+                        if kk == k and t <= at and rep.done.get(r, math.inf) > at
+                    )
+                    gw.load.observed(f"replica-{k}", engine)
+                gw.next_scrape += s.load_scrape_s
+            gw = gateways[a.gateway]
+            gw.catch_up(fleet, a.at)
+            shares = {
+                f"replica-{k}": rep.share(a.prompt, config.block_size)
+                for k, rep in enumerate(fleet)
+            }
+            cands = [
+                Candidate(name, name, gw.load.load(name), gw.load.work(name)) for name in shares
+            ]
+            d = decide(
+                cands,
+                policy="precise",
+                precise=shares,
+                load_slack=s.load_slack,
+                prompt_tokens=len(a.prompt),
+                recompute_weight=s.recompute_weight,
+                affinity_tokens=s.affinity_tokens,
+                home=token_home_key(a.prompt, config.block_size, shares.values()),
+                rotation=i,
+            )
+            k = int(d.replica.rsplit("-", 1)[1])
+            prefill = (1.0 - shares[d.replica]) * len(a.prompt)
+            gw.load.started(d.replica, prefill)
+            gw.sent.append((rid, k, prefill))
+            sent_at.append((rid, k, a.at))
+            chosen = fleet[k]
         else:
             best = None
             for rep in fleet:

@@ -51,7 +51,11 @@ its first token comes soonest given the engines' exact state (``clairvoyant``), 
 (to check the model: its p90 should be near the measured random run's). Random's measured p90
 over the clairvoyant replay's says how far any router could take the TTFT ratio on that trace
 at that load; precise's over it, how far this router is from placing every request as well as
-it can be placed on arrival.
+it can be placed on arrival. A third replay (``router``) places each request by llmgw's own
+rule and the gateways' view of the load (one LoadTracker per gateway, fed by a scrape of the
+engines' request counts), with KV shares read from the engines' exact caches: what the rule
+loses against the clairvoyant, and what the running system loses against the replay (index
+lag, tokenizing, the network).
 
     .venv/bin/python bench/routing.py               # about 8-10 minutes on 2 cores
     .venv/bin/python bench/routing.py --policies random precise --requests 200
@@ -80,7 +84,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import httpx
@@ -582,17 +586,20 @@ def _replayed(
     sent: list[Sent], prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
     """The run's trace through the simulator's own scheduler offline (engine_replay.py): each
-    request at its soonest first token with the engines' exact state (clairvoyant), and at
-    random (to check the model against the measured random run)."""
+    request at its soonest first token with the engines' exact state (clairvoyant), by the
+    gateways' own rule and load view with exact KV shares (router), and at random (to check
+    the model against the measured random run)."""
     from engine_replay import Arrival, replay
 
+    from llmgw.config import GatewaySettings
     from llmgw.simengine.scheduler import SchedulerConfig
     from llmgw.simengine.timing import TimingModel
 
     arrivals = []
     for s, p in zip(sent, prompts, strict=True):
         usage = (s.result.usage if s.result is not None else None) or {}
-        arrivals.append(Arrival(s.at, tuple(p), int(usage.get("completion_tokens") or 1)))
+        tokens = int(usage.get("completion_tokens") or 1)
+        arrivals.append(Arrival(s.at, tuple(p), tokens, gateway=s.gateway))
     config = SchedulerConfig(
         num_blocks=args.num_blocks,
         block_size=args.block_size,
@@ -604,9 +611,26 @@ def _replayed(
         prefill_ms_per_token=args.prefill_ms_per_token,
         time_scale=args.time_scale,
     )
+    # The gateways' settings as the bench gave them (--gateway-env), for the router replay.
+    prefix = "LLMGW_GATEWAY__"
+    settings = GatewaySettings(
+        **{k[len(prefix) :].lower(): v for k, v in _gateway_env(args, "precise").items()}
+    )
     out: dict[str, Any] = {}
-    for assign in ("clairvoyant", "random"):
-        r = replay(arrivals, replicas=args.replicas, config=config, timing=timing, assign=assign)
+    assigns: tuple[Literal["clairvoyant", "router", "random"], ...] = (
+        "clairvoyant",
+        "router",
+        "random",
+    )
+    for assign in assigns:
+        r = replay(
+            arrivals,
+            replicas=args.replicas,
+            config=config,
+            timing=timing,
+            assign=assign,
+            settings=settings,
+        )
         ttft = summarize(r.ttft_s, digits=1, scale=1e3)
         out[f"{assign}_replayed_ttft_p90_ms"] = ttft.get("p90")
         out[f"{assign}_replayed_hit_rate"] = round(r.hit_rate, 4)
@@ -695,8 +719,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(
                     f"[routing] {workload} {policy} #{repeat + 1}: hit {m['hit_rate']} ttft p90 "
                     f"{m['ttft_ms'].get('p90')} ms, oracle {m['oracle']['untimed']}, "
-                    f"clairvoyant replay p90 {m['oracle']['clairvoyant_replayed_ttft_p90_ms']} "
-                    f"ms, {m['failed']} failed "
+                    f"replayed p90: clairvoyant {m['oracle']['clairvoyant_replayed_ttft_p90_ms']}"
+                    f" ms, router {m['oracle']['router_replayed_ttft_p90_ms']} ms; "
+                    f"{m['failed']} failed "
                     f"({time.monotonic() - t_start:.0f}s)",
                     file=sys.stderr,
                 )
@@ -748,6 +773,7 @@ def _add_run(per_policy: dict[str, Any], policy: str, m: dict[str, Any]) -> None
             "oracle_untimed": m["oracle"]["untimed"],
             "oracle_timed": m["oracle"]["timed"],
             "clairvoyant_ttft_p90_ms": m["oracle"]["clairvoyant_replayed_ttft_p90_ms"],
+            "router_replay_ttft_p90_ms": m["oracle"]["router_replayed_ttft_p90_ms"],
         }
     )
     m["runs"] = runs
@@ -759,6 +785,7 @@ def _add_run(per_policy: dict[str, Any], policy: str, m: dict[str, Any]) -> None
             "oracle_untimed",
             "oracle_timed",
             "clairvoyant_ttft_p90_ms",
+            "router_replay_ttft_p90_ms",
         )
     }
     per_policy[policy] = m
@@ -809,6 +836,11 @@ def _report(
                 per["random"]["median"]["ttft_p90_ms"], p["median"]["clairvoyant_ttft_p90_ms"]
             )
         t["ttft_p90_precise_over_clairvoyant"] = _ratio(p90, p["median"]["clairvoyant_ttft_p90_ms"])
+        # The rule and the gateways' load view, replayed with exact KV shares and no network:
+        # measured precise over it is what the running system loses outside the rule.
+        t["ttft_p90_precise_over_router_replay"] = _ratio(
+            p90, p["median"]["router_replay_ttft_p90_ms"]
+        )
         share = t["precise_share_of_oracle"]
         t["meets_oracle"] = share is not None and share >= TARGET_ORACLE_SHARE
         targets[workload] = t

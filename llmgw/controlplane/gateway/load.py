@@ -174,6 +174,11 @@ class LoadTracker:
 
     # --- scraping ----------------------------------------------------------------------
 
+    def observed(self, replica: str, engine_load: int) -> None:
+        """The engine reported ``engine_load`` requests running + waiting, ours among them."""
+        self.engine[replica] = engine_load
+        self._own_at_scrape[replica] = self.in_flight.get(replica, 0)
+
     async def scrape(self, http: aiohttp.ClientSession, endpoints: Iterable[Endpoint]) -> None:
         eps = list(endpoints)
 
@@ -200,8 +205,7 @@ class LoadTracker:
                     self.context[ep.replica] = limit
             metrics = await fetch(ep, "/metrics")
             if metrics is not None:
-                self.engine[ep.replica] = parse_engine_load(metrics)
-                self._own_at_scrape[ep.replica] = self.in_flight.get(ep.replica, 0)
+                self.observed(ep.replica, parse_engine_load(metrics))
 
         await asyncio.gather(*(one(ep) for ep in eps))
         live = {ep.replica for ep in eps}
