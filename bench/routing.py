@@ -57,6 +57,14 @@ engines' request counts), with KV shares read from the engines' exact caches: wh
 loses against the clairvoyant, and what the running system loses against the replay (index
 lag, tokenizing, the network).
 
+Time: arrivals (``--rate``, ``--chat-rate``, ``--think-s``) are in modelled time, like the
+engines' steps, so a ``--time-scale`` changes how long a run takes, not its load; TTFTs are
+printed in wall-clock ms (divide by the time scale for modelled ms). On this 2-core machine
+(four simulators, two control planes, an agent and the clients on two cores) the shared-prefix
+workload at scale 1 measures precise's p90 1.5-2.0x its router replay, at scale 2 about 1.2x
+(random's matches its replay at both): the difference is CPU, so prefer ``--time-scale 2``
+where the run time allows.
+
     .venv/bin/python bench/routing.py               # about 8-10 minutes on 2 cores
     .venv/bin/python bench/routing.py --policies random precise --requests 200
     .venv/bin/python bench/routing.py --repeats 3    # medians of 3 runs: one run's p90 varies ~15%
@@ -208,7 +216,9 @@ async def _replay_shared_prefix(
     t = 0.0
     for _ in range(args.requests):
         t += rng.expovariate(args.rate)
-        plan.append((t, rng.randrange(args.groups), rng.randrange(args.users)))
+        # Arrivals in modelled time: at --time-scale 2 they come half as fast, like everything
+        # the engines do, so the load is the same at every scale.
+        plan.append((t * args.time_scale, rng.randrange(args.groups), rng.randrange(args.users)))
     replay = Replay()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
@@ -247,8 +257,11 @@ async def _replay_multi_turn(
     t = 0.0
     for _ in range(args.conversations):
         t += rng.expovariate(args.chat_rate)
-        starts.append(t)
-    thinks = [[rng.expovariate(1 / args.think_s) for _ in range(args.turns)] for _ in turns]
+        starts.append(t * args.time_scale)  # modelled time, as above
+    thinks = [
+        [rng.expovariate(1 / args.think_s) * args.time_scale for _ in range(args.turns)]
+        for _ in turns
+    ]
     replay = Replay()
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=600)
@@ -918,7 +931,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     g.add_argument("--system-tokens", type=int, default=0, help="0: from --working-set")
     g.add_argument("--question-tokens", type=int, default=40)
     g.add_argument("--output-tokens", type=int, default=8)
-    g.add_argument("--rate", type=float, default=7.0, help="requests/s (Poisson)")
+    g.add_argument("--rate", type=float, default=7.0, help="requests/s (Poisson), in modelled time")
     g.add_argument("--requests", type=int, default=320)
     m = p.add_argument_group("multi_turn")
     m.add_argument("--conversations", type=int, default=24)
@@ -926,8 +939,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     m.add_argument("--chat-system-tokens", type=int, default=200)
     m.add_argument("--turn-tokens", type=int, default=120)
     m.add_argument("--chat-output-tokens", type=int, default=24)
-    m.add_argument("--chat-rate", type=float, default=2.0, help="conversation starts/s")
-    m.add_argument("--think-s", type=float, default=1.0)
+    m.add_argument(
+        "--chat-rate", type=float, default=2.0, help="conversation starts/s, in modelled time"
+    )
+    m.add_argument("--think-s", type=float, default=1.0, help="in modelled time")
     args = p.parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=2))
