@@ -62,8 +62,10 @@ engines' steps, so a ``--time-scale`` changes how long a run takes, not its load
 printed in wall-clock ms (divide by the time scale for modelled ms). On this 2-core machine
 (four simulators, two control planes, an agent and the clients on two cores) the shared-prefix
 workload at scale 1 measures precise's p90 1.5-2.0x its router replay, at scale 2 about 1.2x
-(random's matches its replay at both): the difference is CPU, so prefer ``--time-scale 2``
-where the run time allows.
+(random's matches its replay at both). What precise does and random does not (tokenizing
+through the agent, the index's lag behind the engines' events, more CPU on two busy cores)
+takes wall time, half as large against the modelled time at scale 2: prefer
+``--time-scale 2`` where the run time allows.
 
     .venv/bin/python bench/routing.py               # about 8-10 minutes on 2 cores
     .venv/bin/python bench/routing.py --policies random precise --requests 200
