@@ -22,7 +22,7 @@ Three assignments:
   precise run's says what the system loses outside the rule; against the clairvoyant's, what
   the rule and the gateways' view of the load lose.
 
-Used by bench/routing.py (``oracle.clairvoyant_*`` per run). Seconds per run: a copy of each
+Used by bench/routing.py (``oracle.<assignment>_replayed_*`` per run). Seconds per run: a copy of each
 replica's scheduler per request.
 """
 
@@ -137,6 +137,66 @@ class Replayed:
     hit_rate: float  # cached prompt tokens / prompt tokens, as the engines counted them
 
 
+def _clairvoyant(fleet: list[_Replica], spec: RequestSpec, timing: TimingModel) -> _Replica:
+    """The replica where the request's first token comes soonest, tried on a copy of each."""
+
+    def ttft(rep: _Replica) -> float:
+        trial = copy.deepcopy(rep)
+        trial.sched.add_request(spec)
+        return trial.first_token(spec.request_id, timing)
+
+    return min(fleet, key=ttft)
+
+
+@dataclass(slots=True)
+class _Router:
+    """llmgw's rule over the gateways' views, as the running control planes apply it."""
+
+    settings: GatewaySettings
+    block_size: int
+    gateways: list[_Gateway]
+    # Per replica: requests sent there (rid, when) that no scrape has yet seen finished.
+    live: list[list[tuple[str, float]]]
+
+    def _scrape_until(self, fleet: list[_Replica], t: float) -> None:
+        """The scrapes due by ``t``, in time order, each seeing the engines as they were."""
+        while (gw := min(self.gateways, key=lambda g: g.next_scrape)).next_scrape <= t:
+            at = gw.next_scrape
+            gw.catch_up(fleet, at)
+            for k, rep in enumerate(fleet):
+                # Scrapes come in time order: what ended by one is gone for all later ones.
+                live = [(r, sent) for r, sent in self.live[k] if rep.done.get(r, math.inf) > at]
+                self.live[k] = live
+                gw.load.observed(f"replica-{k}", sum(1 for _, sent in live if sent <= at))
+            gw.next_scrape += self.settings.load_scrape_s
+
+    def choose(self, i: int, a: Arrival, rid: str, fleet: list[_Replica]) -> _Replica:
+        self._scrape_until(fleet, a.at)
+        gw = self.gateways[a.gateway]
+        gw.catch_up(fleet, a.at)
+        shares = {
+            f"replica-{k}": rep.share(a.prompt, self.block_size) for k, rep in enumerate(fleet)
+        }
+        s = self.settings
+        d = decide(
+            [Candidate(r, r, gw.load.load(r), gw.load.work(r)) for r in shares],
+            policy="precise",
+            precise=shares,
+            load_slack=s.load_slack,
+            prompt_tokens=len(a.prompt),
+            recompute_weight=s.recompute_weight,
+            affinity_tokens=s.affinity_tokens,
+            home=token_home_key(a.prompt, self.block_size, shares.values()),
+            rotation=i,
+        )
+        k = int(d.replica.rsplit("-", 1)[1])
+        prefill = (1.0 - shares[d.replica]) * len(a.prompt)
+        gw.load.started(d.replica, prefill)
+        gw.sent.append((rid, k, prefill))
+        self.live[k].append((rid, a.at))
+        return fleet[k]
+
+
 def replay(
     arrivals: Sequence[Arrival],
     *,
@@ -151,19 +211,22 @@ def replay(
     ``settings``: the gateways' (router mode), defaults if None."""
     fleet = [_Replica(Scheduler(config)) for _ in range(replicas)]
     rng = random.Random(seed)
-    ids: list[str] = []
-    homes: list[_Replica] = []
     s = settings or GatewaySettings()
     count = max((a.gateway for a in arrivals), default=0) + 1
-    gateways = [
-        _Gateway(
-            LoadTracker(eject_after=1, eject_for_s=1.0, clock=lambda: 0.0),
-            # Each gateway scrapes on its own phase, as processes started apart do.
-            next_scrape=g * s.load_scrape_s / count,
-        )
-        for g in range(count)
-    ]
-    sent_at: list[tuple[str, int, float]] = []  # every request: rid, replica, when sent
+    router = _Router(
+        s,
+        config.block_size,
+        [
+            _Gateway(
+                LoadTracker(eject_after=1, eject_for_s=1.0, clock=lambda: 0.0),
+                # Each gateway scrapes on its own phase, as processes started apart do.
+                next_scrape=g * s.load_scrape_s / count,
+            )
+            for g in range(count)
+        ],
+        [[] for _ in range(replicas)],
+    )
+    placed: list[tuple[str, _Replica]] = []
     for i, a in enumerate(arrivals):
         rid = f"r{i}"
         spec = RequestSpec(
@@ -177,61 +240,14 @@ def replay(
         if assign == "random":
             chosen = fleet[rng.randrange(replicas)]
         elif assign == "router":
-            # The scrapes due by now, in order, each seeing the engines as they were then.
-            while (gw := min(gateways, key=lambda g: g.next_scrape)).next_scrape <= a.at:
-                at = gw.next_scrape
-                gw.catch_up(fleet, at)
-                for k, rep in enumerate(fleet):
-                    engine = sum(
-                        1
-                        for r, kk, t in sent_at
-                        if kk == k and t <= at and rep.done.get(r, math.inf) > at
-                    )
-                    gw.load.observed(f"replica-{k}", engine)
-                gw.next_scrape += s.load_scrape_s
-            gw = gateways[a.gateway]
-            gw.catch_up(fleet, a.at)
-            shares = {
-                f"replica-{k}": rep.share(a.prompt, config.block_size)
-                for k, rep in enumerate(fleet)
-            }
-            cands = [
-                Candidate(name, name, gw.load.load(name), gw.load.work(name)) for name in shares
-            ]
-            d = decide(
-                cands,
-                policy="precise",
-                precise=shares,
-                load_slack=s.load_slack,
-                prompt_tokens=len(a.prompt),
-                recompute_weight=s.recompute_weight,
-                affinity_tokens=s.affinity_tokens,
-                home=token_home_key(a.prompt, config.block_size, shares.values()),
-                rotation=i,
-            )
-            k = int(d.replica.rsplit("-", 1)[1])
-            prefill = (1.0 - shares[d.replica]) * len(a.prompt)
-            gw.load.started(d.replica, prefill)
-            gw.sent.append((rid, k, prefill))
-            sent_at.append((rid, k, a.at))
-            chosen = fleet[k]
+            chosen = router.choose(i, a, rid, fleet)
         else:
-            best = None
-            for rep in fleet:
-                trial = copy.deepcopy(rep)
-                trial.sched.add_request(spec)
-                ttft = trial.first_token(rid, timing)
-                if best is None or ttft < best[0]:
-                    best = (ttft, rep)
-            assert best is not None
-            chosen = best[1]
+            chosen = _clairvoyant(fleet, spec, timing)
         chosen.sched.add_request(spec)
-        ids.append(rid)
-        homes.append(chosen)
+        placed.append((rid, chosen))
     ttfts = [
-        rep.first_token(rid, timing) - a.at
-        for rid, rep, a in zip(ids, homes, arrivals, strict=True)
+        rep.first_token(rid, timing) - a.at for (rid, rep), a in zip(placed, arrivals, strict=True)
     ]
-    cached = sum(rep.cached.get(rid, 0) for rid, rep in zip(ids, homes, strict=True))
+    cached = sum(rep.cached.get(rid, 0) for rid, rep in placed)
     prompt = sum(len(a.prompt) for a in arrivals)
     return Replayed(ttfts, cached / prompt if prompt else 0.0)

@@ -70,8 +70,8 @@ takes wall time, half as large against the modelled time at scale 2: prefer
     .venv/bin/python bench/routing.py               # about 8-10 minutes on 2 cores
     .venv/bin/python bench/routing.py --policies random precise --requests 200
     .venv/bin/python bench/routing.py --repeats 3    # medians of 3 runs: one run's p90 varies ~15%
+    # one JSON line per request, to find where the slow tenth comes from:
     .venv/bin/python bench/routing.py --policies precise --dump /tmp/requests.jsonl
-                                                     # one JSON line per request, to find the slow tenth
 
 Prints one JSON object. Targets (issue [gateway]): precise >= 90% of the oracle's hit rate;
 precise TTFT p90 >= 5x better than random and >= 1.5x better than approximate.

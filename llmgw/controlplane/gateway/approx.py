@@ -53,30 +53,35 @@ _MAX_MODELS = 4096
 _MAX_FLOORS = 1024
 
 
-class _Entry:
-    """One chunk: who was sent it when, and how often prompts parted right after it."""
+class _Decaying:
+    """A count that halves every half-life: ``count`` as of ``at``."""
 
-    __slots__ = ("after", "at", "forks", "sent")
-
-    def __init__(self) -> None:
-        self.sent: dict[str, float] = {}  # replica -> when it was last sent this prefix
-        self.after: int | None = None  # the chunk that followed it in the last prompt recorded
-        self.forks = 0.0  # decayed count of prompts that continued otherwise than the one before
-        self.at = 0.0  # when ``forks`` was last decayed
-
-
-class _Count:
-    __slots__ = ("at", "value")
+    __slots__ = ("at", "count")
 
     def __init__(self) -> None:
-        self.value = 0.0
+        self.count = 0.0
         self.at = 0.0
 
+    def value(self, now: float, half_life_s: float) -> float:
+        if not self.count or now <= self.at:
+            return self.count
+        return self.count * math.exp2(-(now - self.at) / half_life_s)
 
-def _decayed(value: float, at: float, now: float, half_life_s: float) -> float:
-    if now <= at:
-        return value
-    return value * math.exp2(-(now - at) / half_life_s)
+    def add(self, now: float, half_life_s: float) -> None:
+        self.count = self.value(now, half_life_s) + 1.0
+        self.at = now
+
+
+class _Entry(_Decaying):
+    """One chunk: who was sent it when, and (its count) how many recent prompts parted right
+    after it, continuing otherwise than the prompt recorded before them."""
+
+    __slots__ = ("after", "sent")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, float] = {}  # replica -> when it was last sent this prefix
+        self.after: int | None = None  # the chunk that followed it in the last prompt recorded
 
 
 class ApproxTree:
@@ -102,7 +107,7 @@ class ApproxTree:
         self.ttl_s = ttl_s
         self.fork_half_life_s = fork_half_life_s
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
-        self._prompts: OrderedDict[str, _Count] = OrderedDict()  # model -> prompts recorded
+        self._prompts: OrderedDict[str, _Decaying] = OrderedDict()  # model -> prompts recorded
         self._floors: dict[str, float] = {}  # replica -> claims before this do not score
 
     def __len__(self) -> int:
@@ -153,7 +158,7 @@ class ApproxTree:
         count = self._prompts.get(model)
         if half is None or count is None:
             return []
-        prompts = _decayed(count.value, count.at, now, half)
+        prompts = count.value(now, half)
         if prompts < _MIN_PROMPTS:
             return []
         out: list[float] = []
@@ -161,8 +166,7 @@ class ApproxTree:
             entry = self._entries.get((model, h))
             if entry is None:
                 break
-            forks = entry.forks and _decayed(entry.forks, entry.at, now, half)  # most are 0
-            out.append(min(1.0, forks / prompts))
+            out.append(min(1.0, entry.value(now, half) / prompts))
         return out
 
     def record(self, model: str, chunks: Sequence[int], replica: str, *, now: float) -> None:
@@ -183,19 +187,17 @@ class ApproxTree:
                 continue  # a prompt that ends here parts from nothing: the next turn extends it
             after = chunks[i + 1]
             if entry.after is not None and entry.after != after:
-                entry.forks = _decayed(entry.forks, entry.at, now, half) + 1.0
-                entry.at = now
+                entry.add(now, half)
             entry.after = after
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
         if half is not None and chunks:
             count = self._prompts.get(model)
             if count is None:
-                count = self._prompts[model] = _Count()
+                count = self._prompts[model] = _Decaying()
             else:
                 self._prompts.move_to_end(model)
-            count.value = _decayed(count.value, count.at, now, half) + 1.0
-            count.at = now
+            count.add(now, half)
             while len(self._prompts) > _MAX_MODELS:
                 self._prompts.popitem(last=False)
 

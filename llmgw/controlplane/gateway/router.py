@@ -218,8 +218,8 @@ def decide(
     work. ``home``: the request's name for its home when it has no session (``home_key``);
     ``affinity_tokens``: how much more cost, in prompt tokens, a request accepts to land on its
     home (0: off). ``hot``: the leading share of the prompt more replicas should hold
-    (``hot_share``): recomputing it costs nothing here. ``rotation``: a counter for round-robin and tie rotation; ``pick`` in [0, 1)
-    for the random policy.
+    (``hot_share``): recomputing it costs nothing here. ``rotation``: a counter for
+    round-robin and tie rotation; ``pick`` in [0, 1) for the random policy.
     """
     if not candidates:
         raise ValueError("decide needs at least one candidate")
