@@ -282,7 +282,7 @@ class Stack:
     def start_postgres(self) -> str:
         # Imported here: the canned upstream and the floor proxy import this module too and
         # must not pay for SQLAlchemy and the control plane at start-up.
-        from llmgw.controlplane.migrations import upgrade
+        from llmgw.controlplane.store.migrations import upgrade
         from llmgw.embedded_postgres import EmbeddedPostgres
 
         self._pg = EmbeddedPostgres(throwaway=True)

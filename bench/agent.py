@@ -76,7 +76,7 @@ def _wait(cond: Any, timeout_s: float, what: str, log: Path | None = None) -> An
 
 @contextlib.contextmanager
 def _database() -> Iterator[str]:
-    from llmgw.controlplane.migrations import upgrade
+    from llmgw.controlplane.store.migrations import upgrade
     from llmgw.embedded_postgres import EmbeddedPostgres, create_database, drop_database
 
     with EmbeddedPostgres(throwaway=True) as pg:

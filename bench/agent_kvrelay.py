@@ -166,7 +166,7 @@ async def _receive(port: int) -> None:
 async def _time_relay(
     port: int, batches: int, pub_args: list[str], state_dir: Path, receiver: str | None = None
 ) -> tuple[float, float]:
-    from llmgw.nodeagent.kvrelay import KvRelay
+    from llmgw.nodeagent.kvrelay.relay import KvRelay
 
     registry = CollectorRegistry()
     relay = KvRelay(

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from llmgw.controlplane.reconcile import (
+from llmgw.controlplane.planner import (
     GPU,
     DeploymentId,
     DeploymentView,

@@ -35,7 +35,7 @@ __all__ = ["Metric", "admin_api_markdown", "metrics_table", "registered_metrics"
 def _openapi() -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from llmgw.config import load_settings
-    from llmgw.controlplane.app import create_app
+    from llmgw.controlplane.internal_app import create_app
 
     # The app is only built, never started: no connection is made to this URL.
     settings = load_settings(

@@ -81,11 +81,11 @@ RECONCILE_PURE = [
 
 @pytest.mark.parametrize("module", RECONCILE_PURE)
 def test_reconcile_core_imports_no_io(module: str) -> None:
-    path = ROOT / "controlplane" / "reconcile" / f"{module}.py"
+    path = ROOT / "controlplane" / "planner" / f"{module}.py"
     offenders: list[str] = []
     for name in _imports(path):
         prefix, _, leaf = name.rpartition(".")
-        if (prefix == "llmgw.controlplane.reconcile" and leaf in RECONCILE_PURE) or (
+        if (prefix == "llmgw.controlplane.planner" and leaf in RECONCILE_PURE) or (
             name == "llmgw.engines" or name.startswith("llmgw.engines.") or name in ALLOWED_LLMGW
         ):
             continue

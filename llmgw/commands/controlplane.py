@@ -41,8 +41,8 @@ def controlplane(
     from llmgw import eventloop
     from llmgw.config import load_settings
     from llmgw.controlplane.agentapi.kv_intake import KvIntake
-    from llmgw.controlplane.app import create_app
-    from llmgw.controlplane.http.public_app import create_public_app
+    from llmgw.controlplane.internal_app import create_app
+    from llmgw.controlplane.public_app import create_public_app
     from llmgw.controlplane.server import ConfigReload, Listener, serve
     from llmgw.embedded_postgres import libpq_url
     from llmgw.logs import configure_logging, get_logger

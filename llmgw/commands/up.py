@@ -1,4 +1,4 @@
-"""`llmgw up`: the all-in-one on this machine (llmgw/allinone.py does the work)."""
+"""`llmgw up`: the all-in-one on this machine (llmgw/up/launcher.py does the work)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def up(
     Every piece is supervised: one that dies is restarted alone. Ctrl-C stops engines, agent,
     control plane and Postgres, in that order; the next run resumes with the same data and key.
     """
-    from llmgw.allinone import AllInOne, UpOptions
     from llmgw.config import default_data_dir, load_settings
     from llmgw.logs import configure_logging
+    from llmgw.up.launcher import AllInOne, UpOptions
 
     settings = load_settings(config)
     configure_logging(settings.log.level, json=settings.log.json_lines)

@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from llmgw.controlplane.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
+from llmgw.controlplane.store.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
 from llmgw.engines import MAX_HASH_SEED, is_valid_hash_seed
 
 __all__ = [

@@ -113,7 +113,7 @@ class ConfigReload:
 
     def __call__(self) -> None:
         # The one conversion create_app uses, so a reload accepts exactly what a start does.
-        from llmgw.controlplane.app import _plan_settings
+        from llmgw.controlplane.internal_app import _plan_settings
 
         try:
             new = self._load()

@@ -85,7 +85,7 @@ class AgentOptions:
 
 
 class _KvHooks:
-    """Supervisor hooks feeding the KV relay (llmgw/nodeagent/kvrelay.py)."""
+    """Supervisor hooks feeding the KV relay (llmgw/nodeagent/kvrelay/relay.py)."""
 
     def __init__(self, relay: Any) -> None:
         self.relay = relay
@@ -312,7 +312,7 @@ class Agent:
 
     def _start_relay(self) -> None:
         try:
-            from llmgw.nodeagent.kvrelay import KvRelay
+            from llmgw.nodeagent.kvrelay.relay import KvRelay
         except ImportError:
             log.warning("kv_relay_unavailable")
             return

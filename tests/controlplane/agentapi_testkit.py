@@ -25,11 +25,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from support.procs import free_port
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.agent_queries import create_bootstrap_token
-from llmgw.controlplane.agentapi.router import install_agent_api
+from llmgw.controlplane.agentapi.endpoints import install_agent_api
 from llmgw.controlplane.agentapi.service import AgentApi
-from llmgw.controlplane.database import create_engine, session_factory
 from llmgw.controlplane.instances import InstanceIdentity
+from llmgw.controlplane.store.agents import create_bootstrap_token
+from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.engines import Profile, ReplicaId, ShardId, ShardSpec
 from llmgw.protocol.sync import (
     REGISTER_PATH,

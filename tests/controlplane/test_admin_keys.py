@@ -18,10 +18,10 @@ from pg_harness import PgServer
 from structlog.testing import capture_logs
 
 from llmgw.commands.keys import parse_time
-from llmgw.controlplane.database import create_engine, session_factory
 from llmgw.controlplane.gateway.accounting import UsageRecorder
 from llmgw.controlplane.gateway.errors import GatewayError
 from llmgw.controlplane.gateway.keys import KeyCache
+from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url as libpq
 from llmgw.errors import SpecError
 

@@ -18,7 +18,7 @@ from sqlalchemy import text
 from support.procs import wait_for
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.database import create_engine, session_factory
+from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.protocol.sync import ShardBinding
 
 pytestmark = pytest.mark.timeout(60)

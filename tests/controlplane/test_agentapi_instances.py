@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from llmgw.controlplane.database import create_engine, session_factory
 from llmgw.controlplane.instances import (
     InstanceHeartbeat,
     InstanceIdentity,
@@ -14,6 +13,7 @@ from llmgw.controlplane.instances import (
     remove_instance,
     upsert_instance,
 )
+from llmgw.controlplane.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(60)
 

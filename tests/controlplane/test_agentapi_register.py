@@ -20,8 +20,8 @@ from agentapi_testkit import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agent_queries import create_bootstrap_token
 from llmgw.controlplane.agentapi.credentials import parse_node_credential
+from llmgw.controlplane.store.agents import create_bootstrap_token
 from llmgw.errors import SpecError
 from llmgw.protocol.sync import REGISTER_PATH, RegisterRequest, RegisterResponse
 
@@ -223,7 +223,7 @@ async def test_approval_required_makes_the_node_pending_until_approved(db_url: s
 
 
 async def test_create_bootstrap_token_refuses_what_cannot_be_meant(db_url: str) -> None:
-    from llmgw.controlplane.database import create_engine, session_factory
+    from llmgw.controlplane.store.database import create_engine, session_factory
 
     engine = create_engine(db_url, pool_size=1)
     try:

@@ -1,6 +1,6 @@
 """KvIntake: the control plane's side of the KV-delta stream, pure (table tests + a property).
 
-The property drives the agent's real stream logic (llmgw.nodeagent.kvrelay_stream) against the
+The property drives the agent's real stream logic (llmgw.nodeagent.kvrelay.stream) against the
 intake through arbitrary event histories, lost requests, lost answers, engine restarts,
 unfillable gaps and instance restarts, and checks that after the relay's need_full recovery the
 index holds exactly the agent mirror's view.
@@ -23,7 +23,7 @@ from llmgw.kv import (
     EventBatch,
     PrefixIndex,
 )
-from llmgw.nodeagent.kvrelay_stream import ShardStream, StreamTiming, plan_requests
+from llmgw.nodeagent.kvrelay.stream import ShardStream, StreamTiming, plan_requests
 from llmgw.protocol.kvstream import KvDeltaRequest, decode_kv_request, encode_kv_request
 
 PLACED = {"s1": PlacedShard("node-a", "m", block_size=16)}

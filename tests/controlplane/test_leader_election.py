@@ -13,8 +13,8 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from llmgw.controlplane.database import create_engine, session_factory
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
+from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,11 +18,11 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.database import create_engine, session_factory
+from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock
 from llmgw.controlplane.reconcile.loop import Reconciler
-from llmgw.controlplane.reconcile.snapshot import PlanSettings
+from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
 
 pytestmark = pytest.mark.timeout(90)

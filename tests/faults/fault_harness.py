@@ -37,7 +37,7 @@ import httpx
 import openai
 from support.procs import agent_port_base, free_port, wait_for
 
-from llmgw.controlplane.migrations import upgrade
+from llmgw.controlplane.store.migrations import upgrade
 from llmgw.embedded_postgres import EmbeddedPostgres, PostgresStartError, throwaway_parent
 from tests.e2e.fleet_harness import ControlPlaneProc
 from tests.gateway.gateway_fleet import GatewayFleet, metric_value

@@ -14,8 +14,8 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, pool
 
-from llmgw.controlplane import migrations
-from llmgw.controlplane.tables import Base
+from llmgw.controlplane.store import migrations
+from llmgw.controlplane.store.tables import Base
 from llmgw.embedded_postgres import libpq_url
 
 ROOT = Path(__file__).resolve().parents[2]

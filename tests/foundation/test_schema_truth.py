@@ -19,8 +19,8 @@ import pytest
 from pg_harness import PgServer
 from sqlalchemy import CheckConstraint, DefaultClause, MetaData, create_engine, pool, text
 
-from llmgw.controlplane import migrations
-from llmgw.controlplane.tables import NAMING, Base
+from llmgw.controlplane.store import migrations
+from llmgw.controlplane.store.tables import NAMING, Base
 from llmgw.embedded_postgres import find_bin_dir, libpq_url
 
 pytestmark = pytest.mark.timeout(90)

@@ -23,9 +23,9 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.admin.keys import notify_keys_changed
-from llmgw.controlplane.database import create_engine, session_factory
 from llmgw.controlplane.gateway.keys import new_api_key
-from llmgw.controlplane.tables import ApiKey
+from llmgw.controlplane.store.database import create_engine, session_factory
+from llmgw.controlplane.store.tables import ApiKey
 from llmgw.embedded_postgres import libpq_url
 
 __all__ = ["database_offline", "insert_key", "revoke_key", "sessions_on", "until"]

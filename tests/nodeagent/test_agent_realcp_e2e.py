@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry
 from simengine.sim_process import start_sim, stop_sim
 from support.procs import agent_port_base, free_port, wait_for
 
-from llmgw.nodeagent.kvrelay import KvRelay
-from llmgw.nodeagent.kvrelay_stream import StreamTiming
+from llmgw.nodeagent.kvrelay.relay import KvRelay
+from llmgw.nodeagent.kvrelay.stream import StreamTiming
 from llmgw.nodeagent.procs import kill_marked
 from llmgw.protocol.sync import (
     REGISTER_PATH,

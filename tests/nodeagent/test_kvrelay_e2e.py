@@ -29,8 +29,8 @@ from support.procs import free_port
 
 from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
 from llmgw.kv import PrefixIndex
-from llmgw.nodeagent.kvrelay import KvRelay
-from llmgw.nodeagent.kvrelay_stream import StreamTiming
+from llmgw.nodeagent.kvrelay.relay import KvRelay
+from llmgw.nodeagent.kvrelay.stream import StreamTiming
 from llmgw.protocol.kvstream import (
     KV_PATH,
     MAX_BODY_BYTES,

@@ -25,7 +25,7 @@ from support.procs import free_port, wait_for
 
 from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
 from llmgw.kv import BlockStored, EventBatch, encode_batch, encode_message
-from llmgw.nodeagent.kvrelay import KvRelay
+from llmgw.nodeagent.kvrelay.relay import KvRelay
 from llmgw.protocol.kvstream import KV_PATH, decode_kv_request
 
 ROOT = Path(__file__).resolve().parents[2]

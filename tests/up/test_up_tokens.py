@@ -9,8 +9,8 @@ from pathlib import Path
 
 import psycopg
 
-from llmgw.allinone_api import ensure_bootstrap_token
 from llmgw.embedded_postgres import libpq_url
+from llmgw.up.bootstrap import ensure_bootstrap_token
 
 
 def _sql(db_url: str, query: str) -> None:

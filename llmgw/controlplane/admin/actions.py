@@ -10,7 +10,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from llmgw.controlplane.admin import fleet_queries as fq
 from llmgw.controlplane.admin.common import (
     DEFAULT_PAGE,
     Cursor,
@@ -21,6 +20,7 @@ from llmgw.controlplane.admin.common import (
 )
 from llmgw.controlplane.admin.schemas_fleet import ActionOut
 from llmgw.controlplane.schemas import Page
+from llmgw.controlplane.store import fleet as fq
 from llmgw.errors import SpecError
 
 __all__ = ["router"]

@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane import queries
 from llmgw.controlplane.admin.common import Audit, AuditOf, create, update
 from llmgw.controlplane.admin.deployments import deployment_out, save_deployment_changes
 from llmgw.controlplane.admin.models import model_out
@@ -39,7 +38,8 @@ from llmgw.controlplane.admin.schemas_fleet import (
 )
 from llmgw.controlplane.http.errors import printable
 from llmgw.controlplane.schemas import DeploymentCreate, ErrorBody, ModelCreate, ProfileCreate
-from llmgw.controlplane.tables import Deployment, Model, Profile
+from llmgw.controlplane.store import catalog
+from llmgw.controlplane.store.tables import Deployment, Model, Profile
 from llmgw.errors import LlmgwError
 
 __all__ = ["router"]
@@ -139,9 +139,9 @@ async def _read(session: AsyncSession, docs: Sequence[_Doc]) -> _Stored:
     model_names |= {b.model for b in of["deployment"]}
     profile_names = {b.name for b in of["profile"]} | {b.profile for b in of["deployment"]}
     return _Stored(
-        models=await queries.get_models(session, sorted(model_names)),
-        profiles=await queries.get_profiles_with_models(session, sorted(profile_names)),
-        deployments=await queries.get_deployments(
+        models=await catalog.get_models(session, sorted(model_names)),
+        profiles=await catalog.get_profiles_with_models(session, sorted(profile_names)),
+        deployments=await catalog.get_deployments(
             session, sorted(b.name for b in of["deployment"])
         ),
     )

@@ -23,9 +23,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane import queries
 from llmgw.controlplane.http.admin_auth import admin_token_problem
 from llmgw.controlplane.schemas import ErrorBody, Page, name_problem
+from llmgw.controlplane.store import catalog
 from llmgw.errors import AuthError, NotFoundError, SpecError
 
 __all__ = [
@@ -102,7 +102,7 @@ class Audit:
         before: dict[str, Any] | None,
         after: dict[str, Any] | None,
     ) -> None:
-        await queries.record_audit(
+        await catalog.record_audit(
             session,
             actor=self.actor,
             action=action,
@@ -180,7 +180,7 @@ async def update(
     change, so a retried or repeated request writes nothing. Returns the view and whether
     anything changed. ``on_change`` runs before the UPDATE is flushed (a generation bump)."""
     before = await view(row)
-    if not queries.apply_changes(row, changes, version=version, kind=kind):
+    if not catalog.apply_changes(row, changes, version=version, kind=kind):
         return before, False
     if on_change is not None:
         await on_change(row)

@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane import queries
 from llmgw.controlplane.admin.common import (
     Audit,
     AuditOf,
@@ -37,7 +36,8 @@ from llmgw.controlplane.schemas import (
     ScaleBody,
     check_rollout_budget,
 )
-from llmgw.controlplane.tables import Deployment, DeploymentStatus, Model, Profile
+from llmgw.controlplane.store import catalog
+from llmgw.controlplane.store.tables import Deployment, DeploymentStatus, Model, Profile
 from llmgw.errors import SpecError
 
 __all__ = ["deployment_out", "router", "save_deployment_changes"]
@@ -75,14 +75,14 @@ def deployment_out(session: AsyncSession) -> Callable[[Deployment], Awaitable[De
         model = await session.get(Model, d.model_id)
         profile = await session.get(Profile, d.profile_id)
         assert model is not None and profile is not None  # FK RESTRICT
-        status = await queries.get_deployment_status(session, d.id)
+        status = await catalog.get_deployment_status(session, d.id)
         return _view(d, model.name, profile.name, status)
 
     return view
 
 
 async def _bump(d: Any) -> None:
-    queries.bump_generation(d)
+    catalog.bump_generation(d)
 
 
 async def save_deployment_changes(
@@ -109,7 +109,7 @@ async def save_deployment_changes(
 
 
 async def profile_of_model(session: AsyncSession, profile_name: str, model: Model) -> Profile:
-    profile = await queries.get_profile(session, profile_name, field="profile")
+    profile = await catalog.get_profile(session, profile_name, field="profile")
     if profile.model_id != model.id:
         raise SpecError(
             f"profile {profile_name!r} belongs to another model, not {model.name!r}; "
@@ -120,12 +120,12 @@ async def profile_of_model(session: AsyncSession, profile_name: str, model: Mode
 
 
 async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[DeploymentOut]:
-    rows = await queries.list_deployments(session, after=after, limit=limit + 1)
+    rows = await catalog.list_deployments(session, after=after, limit=limit + 1)
     return page(rows, limit, lambda r: r[0].name, [_view(*r) for r in rows[:limit]])
 
 
 async def _get(session: AsyncSession, name: str) -> DeploymentOut:
-    d = await queries.get_deployment(session, path_name("deployment", name))
+    d = await catalog.get_deployment(session, path_name("deployment", name))
     return await deployment_out(session)(d)
 
 
@@ -133,7 +133,7 @@ async def _get(session: AsyncSession, name: str) -> DeploymentOut:
 async def create_deployment(
     body: DeploymentCreate, session: Session, audit: AuditOf
 ) -> DeploymentOut:
-    model = await queries.get_model(session, body.model, field="model")
+    model = await catalog.get_model(session, body.model, field="model")
     profile = await profile_of_model(session, body.profile, model)
     row = Deployment(
         name=body.name,
@@ -150,7 +150,7 @@ add_read_routes(router, plural="deployments", out=DeploymentOut, list_page=_list
 
 
 async def _locked(session: AsyncSession, name: str) -> Deployment:
-    return await queries.get_deployment(session, path_name("deployment", name), lock=True)
+    return await catalog.get_deployment(session, path_name("deployment", name), lock=True)
 
 
 @router.post("/deployments/{name:path}/scale", response_model=DeploymentOut)
@@ -215,6 +215,6 @@ async def delete_deployment(name: str, session: Session, audit: AuditOf) -> Resp
         kind="deployment",
         name=name,
         before=before,
-        remove=lambda: queries.delete_deployment(session, name),
+        remove=lambda: catalog.delete_deployment(session, name),
     )
     return Response(status_code=204)

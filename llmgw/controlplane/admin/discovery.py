@@ -47,7 +47,7 @@ from fastapi import APIRouter
 from sqlalchemy import select
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.tables import Deployment, Model, Node, Replica, Shard
+from llmgw.controlplane.store.tables import Deployment, Model, Node, Replica, Shard
 
 __all__ = ["prometheus_targets", "router", "target_group"]
 

@@ -8,7 +8,6 @@ from typing import Any
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.admin import fleet_queries as fq
 from llmgw.controlplane.admin.common import (
     AuditOf,
     Session,
@@ -22,7 +21,8 @@ from llmgw.controlplane.admin.common import (
 )
 from llmgw.controlplane.admin.schemas_fleet import GpuClassCreate, GpuClassOut, GpuClassUpdate
 from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.tables import GpuClass
+from llmgw.controlplane.store import fleet as fq
+from llmgw.controlplane.store.tables import GpuClass
 from llmgw.errors import ConflictError
 
 __all__ = ["router"]

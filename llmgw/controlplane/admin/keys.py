@@ -32,7 +32,7 @@ from llmgw.controlplane.admin.common import (
 )
 from llmgw.controlplane.gateway.keys import KEYS_CHANNEL, new_api_key
 from llmgw.controlplane.schemas import LIMITS, Name, Page, _Request, _Response
-from llmgw.controlplane.tables import KEY_NAME_PATTERN, ApiKey
+from llmgw.controlplane.store.tables import KEY_NAME_PATTERN, ApiKey
 from llmgw.errors import ConflictError, NotFoundError, SpecError
 
 __all__ = ["ApiKeyCreate", "ApiKeyCreated", "ApiKeyOut", "notify_keys_changed", "router"]

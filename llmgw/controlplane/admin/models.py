@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane import queries
 from llmgw.controlplane.admin.common import (
     AuditOf,
     Session,
@@ -18,7 +17,8 @@ from llmgw.controlplane.admin.common import (
     update,
 )
 from llmgw.controlplane.schemas import ModelCreate, ModelOut, ModelUpdate, Page
-from llmgw.controlplane.tables import Model
+from llmgw.controlplane.store import catalog
+from llmgw.controlplane.store.tables import Model
 
 __all__ = ["model_out", "router"]
 
@@ -30,12 +30,12 @@ async def model_out(m: Model) -> ModelOut:
 
 
 async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[ModelOut]:
-    rows = await queries.list_models(session, after=after, limit=limit + 1)
+    rows = await catalog.list_models(session, after=after, limit=limit + 1)
     return page(rows, limit, lambda m: m.name, [await model_out(m) for m in rows[:limit]])
 
 
 async def _get(session: AsyncSession, name: str) -> ModelOut:
-    return await model_out(await queries.get_model(session, path_name("model", name)))
+    return await model_out(await catalog.get_model(session, path_name("model", name)))
 
 
 @router.post("/models", status_code=201, response_model=ModelOut)
@@ -49,7 +49,7 @@ add_read_routes(router, plural="models", out=ModelOut, list_page=_list, get_one=
 
 @router.patch("/models/{name:path}", response_model=ModelOut)
 async def update_model(name: str, body: ModelUpdate, session: Session, audit: AuditOf) -> ModelOut:
-    row = await queries.get_model(session, path_name("model", name), lock=True)
+    row = await catalog.get_model(session, path_name("model", name), lock=True)
     changes = body.model_dump(exclude={"version"}, exclude_none=True)
     out, _ = await update(
         session,
@@ -66,13 +66,13 @@ async def update_model(name: str, body: ModelUpdate, session: Session, audit: Au
 
 @router.delete("/models/{name:path}", status_code=204)
 async def delete_model(name: str, session: Session, audit: AuditOf) -> Response:
-    row = await queries.get_model(session, path_name("model", name))
+    row = await catalog.get_model(session, path_name("model", name))
     await delete(
         session,
         audit,
         kind="model",
         name=name,
         before=audit_view(await model_out(row)),
-        remove=lambda: queries.delete_model(session, name),
+        remove=lambda: catalog.delete_model(session, name),
     )
     return Response(status_code=204)

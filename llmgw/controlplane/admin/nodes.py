@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.admin import fleet_queries as fq
 from llmgw.controlplane.admin.common import (
     Audit,
     AuditOf,
@@ -28,7 +27,8 @@ from llmgw.controlplane.admin.common import (
 )
 from llmgw.controlplane.admin.schemas_fleet import NodeOut, NodeUpdate
 from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.tables import Node
+from llmgw.controlplane.store import fleet as fq
+from llmgw.controlplane.store.tables import Node
 
 __all__ = ["node_out", "router"]
 

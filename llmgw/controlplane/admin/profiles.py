@@ -15,7 +15,6 @@ from typing import Any
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane import queries
 from llmgw.controlplane.admin.common import (
     Audit,
     AuditOf,
@@ -35,7 +34,8 @@ from llmgw.controlplane.schemas import (
     ProfileOut,
     ProfileUpdate,
 )
-from llmgw.controlplane.tables import Model, Profile
+from llmgw.controlplane.store import catalog
+from llmgw.controlplane.store.tables import Model, Profile
 
 __all__ = ["profile_fields", "profile_out", "router", "save_profile_changes"]
 
@@ -98,7 +98,7 @@ async def profile_fields(
         fields["kv_hash_seed"] = (
             existing.kv_hash_seed
             if existing is not None
-            else await queries.cluster_kv_hash_seed(session)
+            else await catalog.cluster_kv_hash_seed(session)
         )
     # The model's name is what the engine answers to when served_model_name is empty.
     fields["fingerprint"] = check_profile(body.name, fields, model=body.model)
@@ -126,12 +126,12 @@ async def save_profile_changes(
         view=profile_out(model_name),
     )
     if changed and profile.fingerprint != old_fingerprint:
-        await queries.bump_generations_of_profile(session, profile.id)
+        await catalog.bump_generations_of_profile(session, profile.id)
     return out, changed
 
 
 async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[ProfileOut]:
-    rows = await queries.list_profiles(session, after=after, limit=limit + 1)
+    rows = await catalog.list_profiles(session, after=after, limit=limit + 1)
     return page(rows, limit, lambda r: r[0].name, [_view(p, m) for p, m in rows[:limit]])
 
 
@@ -142,13 +142,13 @@ async def _model_name(session: AsyncSession, profile: Profile) -> str:
 
 
 async def _get(session: AsyncSession, name: str) -> ProfileOut:
-    profile = await queries.get_profile(session, path_name("profile", name))
+    profile = await catalog.get_profile(session, path_name("profile", name))
     return _view(profile, await _model_name(session, profile))
 
 
 @router.post("/profiles", status_code=201, response_model=ProfileOut)
 async def create_profile(body: ProfileCreate, session: Session, audit: AuditOf) -> ProfileOut:
-    model = await queries.get_model(session, body.model, field="model")
+    model = await catalog.get_model(session, body.model, field="model")
     fields = await profile_fields(session, body, None)
     row = Profile(name=body.name, model_id=model.id, **fields)
     return await create(
@@ -163,7 +163,7 @@ add_read_routes(router, plural="profiles", out=ProfileOut, list_page=_list, get_
 async def update_profile(
     name: str, body: ProfileUpdate, session: Session, audit: AuditOf
 ) -> ProfileOut:
-    profile = await queries.get_profile(session, path_name("profile", name), lock=True)
+    profile = await catalog.get_profile(session, path_name("profile", name), lock=True)
     changes = body.model_dump(exclude={"version"}, exclude_none=True)
     if body.adapters is not None:
         changes["adapters"] = [a.model_dump() for a in body.adapters]
@@ -176,13 +176,13 @@ async def update_profile(
 
 @router.delete("/profiles/{name:path}", status_code=204)
 async def delete_profile(name: str, session: Session, audit: AuditOf) -> Response:
-    profile = await queries.get_profile(session, path_name("profile", name))
+    profile = await catalog.get_profile(session, path_name("profile", name))
     await delete(
         session,
         audit,
         kind="profile",
         name=name,
         before={"fingerprint": profile.fingerprint},
-        remove=lambda: queries.delete_profile(session, name),
+        remove=lambda: catalog.delete_profile(session, name),
     )
     return Response(status_code=204)

@@ -11,7 +11,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from llmgw.controlplane.admin import fleet_queries as fq
 from llmgw.controlplane.admin.common import (
     DEFAULT_PAGE,
     Cursor,
@@ -27,6 +26,7 @@ from llmgw.controlplane.admin.schemas_fleet import (
     ShardOut,
 )
 from llmgw.controlplane.schemas import Page
+from llmgw.controlplane.store import fleet as fq
 
 __all__ = ["router"]
 

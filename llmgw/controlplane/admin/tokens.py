@@ -10,15 +10,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.admin import fleet_queries as fq
 from llmgw.controlplane.admin.common import AuditOf, Session, add_read_routes, audit_view, page
 from llmgw.controlplane.admin.schemas_fleet import (
     BootstrapTokenCreate,
     BootstrapTokenCreated,
     BootstrapTokenOut,
 )
-from llmgw.controlplane.agent_queries import create_bootstrap_token
 from llmgw.controlplane.schemas import Page
+from llmgw.controlplane.store import fleet as fq
+from llmgw.controlplane.store.agents import create_bootstrap_token
 
 __all__ = ["router"]
 

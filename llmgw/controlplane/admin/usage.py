@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Select, func, or_, select
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.tables import ApiKey, UsageBucket
+from llmgw.controlplane.store.tables import ApiKey, UsageBucket
 from llmgw.errors import SpecError
 
 __all__ = ["UsageOut", "UsageReply", "router"]

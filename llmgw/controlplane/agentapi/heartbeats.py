@@ -17,8 +17,8 @@ from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agent_queries import Heartbeat, flush_heartbeats
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
+from llmgw.controlplane.store.agents import Heartbeat, flush_heartbeats
 from llmgw.logs import get_logger
 
 __all__ = ["HeartbeatBatcher"]

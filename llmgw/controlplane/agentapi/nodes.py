@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agent_queries import SyncNode, read_sync_node, read_sync_nodes
+from llmgw.controlplane.store.agents import SyncNode, read_sync_node, read_sync_nodes
 from llmgw.logs import get_logger
 
 __all__ = ["NodeTable"]

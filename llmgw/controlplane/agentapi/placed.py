@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agent_queries import PlacedRow, read_placed
 from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
+from llmgw.controlplane.store.agents import PlacedRow, read_placed
 from llmgw.logs import get_logger
 
 __all__ = ["PlacedCache"]

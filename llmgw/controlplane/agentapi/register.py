@@ -21,12 +21,6 @@ import uuid
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agent_queries import (
-    claim_or_insert_node,
-    consume_bootstrap_token,
-    read_bootstrap_token_hash,
-    upsert_node_status,
-)
 from llmgw.controlplane.agentapi.credentials import (
     hash_matches,
     new_node_credential,
@@ -35,6 +29,12 @@ from llmgw.controlplane.agentapi.credentials import (
 )
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
+from llmgw.controlplane.store.agents import (
+    claim_or_insert_node,
+    consume_bootstrap_token,
+    read_bootstrap_token_hash,
+    upsert_node_status,
+)
 from llmgw.logs import get_logger
 from llmgw.protocol.sync import RegisterRequest, RegisterResponse
 

@@ -20,7 +20,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.agent_queries import read_cluster_id
 from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
@@ -32,6 +31,7 @@ from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.agentapi.register import RegisterHandler
 from llmgw.controlplane.agentapi.sync import SyncHandler
 from llmgw.controlplane.instances import InstanceHeartbeat, InstanceIdentity
+from llmgw.controlplane.store.agents import read_cluster_id
 from llmgw.logs import get_logger
 
 __all__ = ["AgentApi"]

@@ -47,7 +47,14 @@ from datetime import UTC, datetime
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agent_queries import (
+from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
+from llmgw.controlplane.agentapi.errors import AgentApiRefusal
+from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
+from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
+from llmgw.controlplane.agentapi.nodes import NodeTable
+from llmgw.controlplane.agentapi.placed import PlacedCache
+from llmgw.controlplane.instances import InstanceHeartbeat
+from llmgw.controlplane.store.agents import (
     GONE_STATES,
     DesiredShardRow,
     PlacedRow,
@@ -61,13 +68,6 @@ from llmgw.controlplane.agent_queries import (
     release_stopped_shards,
     stopped_shards_gone,
 )
-from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal
-from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
-from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
-from llmgw.controlplane.agentapi.nodes import NodeTable
-from llmgw.controlplane.agentapi.placed import PlacedCache
-from llmgw.controlplane.instances import InstanceHeartbeat
 from llmgw.logs import get_logger
 from llmgw.protocol.sync import DesiredShard, ShardBinding, SyncRequest, SyncResponse
 

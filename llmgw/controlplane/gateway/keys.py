@@ -41,7 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.credentials import secret_sha256
 from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.tables import ApiKey
+from llmgw.controlplane.store.tables import ApiKey
 from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 

@@ -32,7 +32,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.gateway.router import HashParams
-from llmgw.controlplane.queries import CHANGE_CHANNEL, ROUTES_CHANNEL
+from llmgw.controlplane.store.catalog import CHANGE_CHANNEL, ROUTES_CHANNEL
 from llmgw.eventloop import wait_event
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger

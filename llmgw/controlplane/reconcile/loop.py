@@ -33,11 +33,11 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.queries import CHANGE_CHANNEL
+from llmgw.controlplane.planner.plan import compute_plan
+from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
-from llmgw.controlplane.reconcile.plan import compute_plan
-from llmgw.controlplane.reconcile.snapshot import PlanSettings
-from llmgw.controlplane.reconcile.store import apply_plan, load_snapshot
+from llmgw.controlplane.store.catalog import CHANGE_CHANNEL
+from llmgw.controlplane.store.reconcile import apply_plan, load_snapshot
 from llmgw.logs import get_logger
 
 __all__ = ["ReconcileMetrics", "Reconciler"]

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from llmgw.controlplane.reconcile import (
+from llmgw.controlplane.planner import (
     GPU,
     DeploymentId,
     DeploymentView,

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from reconcile_testkit import SETTINGS, T0, node, requirements, snapshot
 
-from llmgw.controlplane.reconcile import (
+from llmgw.controlplane.planner import (
     GPU,
     Capacity,
     DeploymentId,

@@ -18,7 +18,7 @@ from reconcile_testkit import (
     step,
 )
 
-from llmgw.controlplane.reconcile import (
+from llmgw.controlplane.planner import (
     CreateReplica,
     DeploymentView,
     DrainReplica,

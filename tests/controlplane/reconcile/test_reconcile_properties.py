@@ -28,7 +28,7 @@ from reconcile_testkit import (
     snapshot,
 )
 
-from llmgw.controlplane.reconcile import (
+from llmgw.controlplane.planner import (
     DeploymentView,
     NodeView,
     PlanSettings,

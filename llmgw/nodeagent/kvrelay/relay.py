@@ -34,9 +34,9 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
-from llmgw.nodeagent.kvrelay_ingest import Feed, FrameFilter, IngestThread, WatchSpec
-from llmgw.nodeagent.kvrelay_metrics import RelayMetrics
-from llmgw.nodeagent.kvrelay_stream import ShardStream, StreamTiming, plan_requests
+from llmgw.nodeagent.kvrelay.ingest import Feed, FrameFilter, IngestThread, WatchSpec
+from llmgw.nodeagent.kvrelay.metrics import RelayMetrics
+from llmgw.nodeagent.kvrelay.stream import ShardStream, StreamTiming, plan_requests
 from llmgw.protocol.kvstream import (
     KV_CONTENT_TYPE,
     KV_PATH,

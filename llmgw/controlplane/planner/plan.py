@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from llmgw.controlplane.reconcile.actions import (
+from llmgw.controlplane.planner.actions import (
     Action,
     CreateReplica,
     DeleteReplica,
@@ -39,22 +39,22 @@ from llmgw.controlplane.reconcile.actions import (
     ShardPlacement,
     StopReplica,
 )
-from llmgw.controlplane.reconcile.apply import apply_actions
-from llmgw.controlplane.reconcile.capacity import Capacity
-from llmgw.controlplane.reconcile.placement import (
+from llmgw.controlplane.planner.apply import apply_actions
+from llmgw.controlplane.planner.capacity import Capacity
+from llmgw.controlplane.planner.placement import (
     Placement,
     PlacementRequest,
     Unplaceable,
     place_replica,
 )
-from llmgw.controlplane.reconcile.replicas import (
+from llmgw.controlplane.planner.replicas import (
     classify,
     crash_looping,
     serving,
     shard_gone,
 )
-from llmgw.controlplane.reconcile.rollout import rollout_budget
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.rollout import rollout_budget
+from llmgw.controlplane.planner.snapshot import (
     DeploymentId,
     DeploymentView,
     NodeId,
@@ -64,7 +64,7 @@ from llmgw.controlplane.reconcile.snapshot import (
     ShardId,
     Snapshot,
 )
-from llmgw.controlplane.reconcile.status import status_actions
+from llmgw.controlplane.planner.status import status_actions
 
 __all__ = ["compute_plan"]
 

@@ -1,6 +1,6 @@
 """The admin API's SQL for the fleet: nodes, bootstrap tokens, replicas, actions, GPU classes.
 
-As ``llmgw.controlplane.queries``: functions take a session, flush, never commit, and
+As ``llmgw.controlplane.store.catalog``: functions take a session, flush, never commit, and
 raise ``llmgw.errors`` types. Lists read a page in a constant number of statements (the
 page, then its children with ``IN``), never one query per row.
 
@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.tables import (
+from llmgw.controlplane.store.tables import (
     BootstrapToken,
     Deployment,
     DeploymentStatus,

@@ -46,8 +46,8 @@ from llmgw.kv import (
     encode_replay_request,
 )
 from llmgw.logs import get_logger
-from llmgw.nodeagent.kvrelay_metrics import RelayMetrics
-from llmgw.nodeagent.kvrelay_state import load_mirror, move_legacy_state, save_mirror, state_path
+from llmgw.nodeagent.kvrelay.metrics import RelayMetrics
+from llmgw.nodeagent.kvrelay.state import load_mirror, move_legacy_state, save_mirror, state_path
 
 __all__ = ["FrameFilter", "IngestThread", "WatchSpec"]
 

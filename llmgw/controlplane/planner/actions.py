@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.snapshot import (
     DeploymentId,
     NodeId,
     ReplicaId,

@@ -6,7 +6,7 @@ Everything here is idempotent across runs: the token, the key and the demo are c
 and reused (files in the data dir, 0600), so a second `llmgw up` resumes instead of piling up
 keys and tokens.
 
-What it must not do: start or stop processes (llmgw/allinone.py does), or print a secret
+What it must not do: start or stop processes (llmgw/up/launcher.py does), or print a secret
 anywhere but the one announcement the user asked for.
 """
 
@@ -62,7 +62,7 @@ def write_private(path: Path, content: str) -> None:
 
 def demo_file() -> Path:
     """config/demo.yaml: the wheel's copy (``llmgw._config``) or the source tree's."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the llmgw package
     for candidate in (here / "_config" / "demo.yaml", here.parent / "config" / "demo.yaml"):
         if candidate.is_file():
             return candidate
@@ -99,9 +99,9 @@ async def _token(database_url: str, token_id: str) -> tuple[str, str] | None:
     """None: the stored token is still good; else a new (id, plaintext)."""
     from sqlalchemy import select
 
-    from llmgw.controlplane.agent_queries import create_bootstrap_token
-    from llmgw.controlplane.database import create_engine, session_factory
-    from llmgw.controlplane.tables import BootstrapToken
+    from llmgw.controlplane.store.agents import create_bootstrap_token
+    from llmgw.controlplane.store.database import create_engine, session_factory
+    from llmgw.controlplane.store.tables import BootstrapToken
 
     engine = create_engine(database_url, pool_size=1)
     try:

@@ -37,9 +37,6 @@ from pathlib import Path
 import httpx
 from sqlalchemy.engine import URL, make_url
 
-from llmgw import allinone_api as api
-from llmgw import allinone_procs as procs
-from llmgw.allinone_procs import Child
 from llmgw.embedded_postgres import (
     DataDirInUseError,
     EmbeddedPostgres,
@@ -47,6 +44,9 @@ from llmgw.embedded_postgres import (
 )
 from llmgw.errors import ConfigError, ConflictError, EngineStartError
 from llmgw.logs import get_logger
+from llmgw.up import bootstrap as api
+from llmgw.up import children as procs
+from llmgw.up.children import Child
 
 __all__ = ["AllInOne", "UpOptions", "load_or_create_admin_token"]
 
@@ -196,7 +196,7 @@ class AllInOne:
                 field="--data-dir",
             ) from None
         try:
-            from llmgw.controlplane import migrations
+            from llmgw.controlplane.store import migrations
 
             # The superuser only prepares what a non-superuser cannot; everything after runs as
             # the app role, migrations included, so the tables are the role's own.

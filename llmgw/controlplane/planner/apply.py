@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime
 
-from llmgw.controlplane.reconcile.actions import (
+from llmgw.controlplane.planner.actions import (
     Action,
     CreateReplica,
     DeleteReplica,
@@ -22,7 +22,7 @@ from llmgw.controlplane.reconcile.actions import (
     StopReplica,
     UpdateRolloutStatus,
 )
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.snapshot import (
     DeploymentId,
     DeploymentView,
     ReplicaId,

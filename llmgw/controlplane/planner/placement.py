@@ -27,8 +27,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmgw.controlplane.reconcile.capacity import Capacity, NodeCapacity
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.capacity import Capacity, NodeCapacity
+from llmgw.controlplane.planner.snapshot import (
     GPU,
     DeploymentId,
     FabricName,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from llmgw.controlplane.reconcile.capacity import node_is_syncing
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.capacity import node_is_syncing
+from llmgw.controlplane.planner.snapshot import (
     DeploymentView,
     NodeId,
     NodeView,

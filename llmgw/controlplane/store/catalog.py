@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.tables import (
+from llmgw.controlplane.store.tables import (
     AuditLog,
     ClusterInfo,
     Deployment,

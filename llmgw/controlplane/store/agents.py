@@ -28,7 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.agentapi.credentials import new_bootstrap_token, secret_sha256
-from llmgw.controlplane.tables import BootstrapToken
+from llmgw.controlplane.store.tables import BootstrapToken
 from llmgw.errors import SpecError
 from llmgw.protocol.sync import NodeInventory, ShardBinding
 

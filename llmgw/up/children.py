@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.allinone_api import write_private
 from llmgw.embedded_postgres import die_with_parent
 from llmgw.errors import ConfigError, ConflictError
 from llmgw.logs import get_logger
+from llmgw.up.bootstrap import write_private
 
 __all__ = [
     "Child",

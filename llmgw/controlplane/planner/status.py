@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from llmgw.controlplane.reconcile.actions import UpdateRolloutStatus
-from llmgw.controlplane.reconcile.placement import Unplaceable
-from llmgw.controlplane.reconcile.replicas import classify, serving
-from llmgw.controlplane.reconcile.rollout import rollout_budget
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.actions import UpdateRolloutStatus
+from llmgw.controlplane.planner.placement import Unplaceable
+from llmgw.controlplane.planner.replicas import classify, serving
+from llmgw.controlplane.planner.rollout import rollout_budget
+from llmgw.controlplane.planner.snapshot import (
     DeploymentId,
     DeploymentView,
     NodeId,

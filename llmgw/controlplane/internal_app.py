@@ -37,18 +37,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from llmgw.config import ControlPlaneSettings, ReconcileSettings
-from llmgw.controlplane import migrations
 from llmgw.controlplane.admin_api import admin_router
+from llmgw.controlplane.agentapi.endpoints import install_agent_api
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
-from llmgw.controlplane.agentapi.router import install_agent_api
-from llmgw.controlplane.database import create_engine, session_factory
 from llmgw.controlplane.http.admin_auth import AdminAuth
 from llmgw.controlplane.http.body_guard import BodyGuard
 from llmgw.controlplane.http.errors import code_for_status, error_body, error_response
 from llmgw.controlplane.http.request_log import RequestLog
 from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
+from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.reconcile.loop import ReconcileMetrics, Reconciler
-from llmgw.controlplane.reconcile.snapshot import PlanSettings
+from llmgw.controlplane.store import migrations
+from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
 from llmgw.errors import (
     AuthError,

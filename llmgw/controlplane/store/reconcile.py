@@ -29,8 +29,7 @@ from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.profile_checks import LAUNCH_FIELDS, engine_profile
-from llmgw.controlplane.reconcile.actions import (
+from llmgw.controlplane.planner.actions import (
     CreateReplica,
     DeleteReplica,
     DrainReplica,
@@ -40,7 +39,7 @@ from llmgw.controlplane.reconcile.actions import (
     StopReplica,
     UpdateRolloutStatus,
 )
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.snapshot import (
     GPU,
     SIM_GPU_CLASS,
     DeploymentId,
@@ -59,7 +58,8 @@ from llmgw.controlplane.reconcile.snapshot import (
     ShardView,
     Snapshot,
 )
-from llmgw.controlplane.tables import (
+from llmgw.controlplane.profile_checks import LAUNCH_FIELDS, engine_profile
+from llmgw.controlplane.store.tables import (
     Deployment,
     DeploymentStatus,
     GpuAssignment,

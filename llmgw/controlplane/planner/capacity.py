@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from llmgw.controlplane.reconcile.snapshot import (
+from llmgw.controlplane.planner.snapshot import (
     GPU,
     SIM_GPU_CLASS,
     DeploymentId,
