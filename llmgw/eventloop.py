@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from llmgw.logs import get_logger
 
-__all__ = ["freeze_heap", "run", "wait_event"]
+__all__ = ["cancel_and_wait", "freeze_heap", "run", "wait_event"]
 
 T = TypeVar("T")
 
@@ -64,3 +64,30 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+async def cancel_and_wait(
+    tasks: asyncio.Task[Any] | Iterable[asyncio.Task[Any] | None] | None,
+) -> None:
+    """Cancel ``tasks`` (one, or several; None entries are skipped) and wait until each has
+    finished, the one way every long-running loop of llmgw is stopped.
+
+    ``asyncio.wait`` rather than ``with suppress(CancelledError): await task``: the latter
+    also swallows a cancellation of the *caller* that arrives while it waits, and a shutdown
+    that was itself cancelled would carry on as if it had not been. A task that failed with
+    an error of its own while stopping is logged, not raised: one loop's crash must not keep
+    the others from being stopped.
+    """
+    if tasks is None:
+        return
+    pending = [tasks] if isinstance(tasks, asyncio.Task) else [t for t in tasks if t is not None]
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return
+    await asyncio.wait(pending)
+    for task in pending:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            get_logger("llmgw").warning(
+                "task_failed_while_stopping", task=task.get_name(), error=repr(exc)[:500]
+            )
