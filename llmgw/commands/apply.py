@@ -9,8 +9,6 @@ every problem is printed and the exit status is 1. Otherwise one line per object
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -22,65 +20,10 @@ from llmgw.commands._admin_client import (
     admin_client,
 )
 from llmgw.commands._common import exit_on_error
+from llmgw.documents import DocumentsError, read_documents
 from llmgw.errors import SpecError
 
-__all__ = ["apply", "read_documents"]
-
-# A fleet's whole desired state is a few hundred objects; far past that is the wrong file.
-_MAX_FILE_BYTES = 8 * 1024 * 1024
-
-
-def _read_text(source: str) -> str:
-    if source == "-":
-        text = sys.stdin.read(_MAX_FILE_BYTES + 1)
-        where = "standard input"
-    else:
-        path = Path(source)
-        try:
-            with path.open("r", encoding="utf-8") as f:
-                text = f.read(_MAX_FILE_BYTES + 1)
-        except OSError as exc:
-            raise SpecError(f"cannot read {source}: {exc.strerror or exc}", field="-f") from None
-        except UnicodeDecodeError:
-            raise SpecError(f"{source} is not UTF-8 text", field="-f") from None
-        where = source
-    if len(text) > _MAX_FILE_BYTES:
-        raise SpecError(
-            f"{where} is larger than {_MAX_FILE_BYTES // (1024 * 1024)} MiB; split it", field="-f"
-        )
-    return text
-
-
-def read_documents(source: str) -> tuple[list[dict[str, Any]], list[int]]:
-    """The file's non-empty documents and each one's 1-based position in the file."""
-    import yaml
-
-    text = _read_text(source)
-    docs: list[dict[str, Any]] = []
-    positions: list[int] = []
-    problems: list[str] = []
-    try:
-        for n, doc in enumerate(yaml.safe_load_all(text), start=1):
-            if doc is None:  # an empty document: a leading or trailing `---`
-                continue
-            if not isinstance(doc, dict):
-                problems.append(
-                    f"document {n}: is a {type(doc).__name__}, not a mapping with `kind:` "
-                    "and the object's fields"
-                )
-                continue
-            docs.append(doc)
-            positions.append(n)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise SpecError(f"{source} is not valid YAML{where}: {problem}", field="-f") from None
-    if problems:
-        for p in problems:
-            typer.echo(f"error: {p}", err=True)
-        raise typer.Exit(1)
-    return docs, positions
+__all__ = ["apply"]
 
 
 def _describe(problem: dict[str, Any], positions: list[int]) -> str:
@@ -120,7 +63,12 @@ def apply(
     object prints as created, configured (changed) or unchanged. Exit status 1 lists
     every problem.
     """
-    docs, positions = read_documents(filename)
+    try:
+        docs, positions = read_documents(filename)
+    except DocumentsError as exc:
+        for p in exc.problems:
+            typer.echo(f"error: {p}", err=True)
+        raise typer.Exit(1) from None
     if not docs:
         raise SpecError(f"{filename} holds no documents", field="-f")
     with admin_client(url, admin_token, data_dir) as client:

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from llmgw.documents import read_documents
 from llmgw.errors import ConfigError, SpecError
 from llmgw.logs import get_logger
 
@@ -205,8 +206,6 @@ def apply_demo(data_dir: Path, admin_url: str, admin_token: str, source: Path) -
     On later runs nothing is applied (whatever the operator changed since stays); the
     file is read again so progress can be shown for its deployments.
     """
-    from llmgw.commands.apply import read_documents
-
     docs, _ = read_documents(str(source))
     demo = Demo(
         deployments=[str(d["name"]) for d in docs if d.get("kind") == "deployment"],
