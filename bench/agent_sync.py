@@ -140,7 +140,7 @@ async def _sql(url: str, statements: list[tuple[str, dict[str, Any]]]) -> list[A
 
 
 async def _token(url: str) -> str:
-    from llmgw.controlplane.store.agents import create_bootstrap_token
+    from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token
     from llmgw.controlplane.store.database import create_engine, session_factory
 
     engine = create_engine(url, pool_size=1)

@@ -12,8 +12,8 @@ Three assignments:
   is greedy: it never gives up a request's TTFT for a later hit, so a patient router could
   beat it on hit rate, rarely on the tail. What it says is how low TTFT p90 goes when every
   request is placed as well as it can be on arrival, on this trace at this load: a ratio to
-  random far from the issue's target there means the target is a question of load, not of
-  routing;
+  random far from the routing target there (precise's TTFT p90 a fifth of random's,
+  bench/routing.py) means the target is a question of load, not of routing;
 - ``router``: llmgw's own rule (``router.decide`` with homes, and ``LoadTracker`` for load and
   work), one tracker per gateway of the trace, each knowing its own requests' prefill until
   their first token and the others' only through a scrape of the engines' request counts

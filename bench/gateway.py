@@ -31,7 +31,7 @@ delivers them all at the end.
 
     .venv/bin/python bench/gateway.py --requests 2000 --chunks 16
 
-Prints one JSON object. Targets (issue [gateway]): at 32 clients >= 60% of the floor's
+Prints one JSON object. The gateway's targets: at 32 clients >= 60% of the floor's
 requests/s; at one client added p50 <= 1.5 ms; chunks pass through unbuffered.
 """
 

@@ -73,7 +73,7 @@ takes wall time, half as large against the modelled time at scale 2: prefer
     # one JSON line per request, to find where the slow tenth comes from:
     .venv/bin/python bench/routing.py --policies precise --dump /tmp/requests.jsonl
 
-Prints one JSON object. Targets (issue [gateway]): precise >= 90% of the oracle's hit rate;
+Prints one JSON object. The router's targets: precise >= 90% of the oracle's hit rate;
 precise TTFT p90 >= 5x better than random and >= 1.5x better than approximate.
 """
 

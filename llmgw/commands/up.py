@@ -1,4 +1,4 @@
-"""`llmgw up`: the all-in-one on this machine (llmgw/up/launcher.py does the work)."""
+"""`llmgw up`: the all-in-one on this machine (the llmgw.up package does the work)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def up(
     """
     from llmgw.config import default_data_dir, load_settings
     from llmgw.logs import configure_logging
-    from llmgw.up.launcher import AllInOne, UpOptions
+    from llmgw.up.launcher import AllInOne
+    from llmgw.up.options import UpOptions
 
     settings = load_settings(config)
     configure_logging(settings.log.level, json=settings.log.json_lines)

@@ -1,9 +1,10 @@
 """The public listener's app: the OpenAI gateway (``llmgw.controlplane.gateway.app``), wired.
 
-This module only assembles: the key cache, the limiter and its usage recorder (issue #11's
-keys/limits/accounting), the route cache, the gateway's metrics on the process's internal
-registry, and the KV intake the internal listener's agent API feeds, shared so that the
-router scores against the blocks agents report to this very process.
+This module only assembles: the key cache (``gateway.keys``), the per-key limiter and the usage
+recorder it settles to (``gateway.limits``, ``gateway.accounting``), the route cache, the
+gateway's metrics on the process's internal registry, and the KV index the internal
+listener's agent API feeds, shared so that the router scores against the blocks agents report
+to this very process.
 
 What it must not do: mount anything of the admin API, the agent API, metrics or the docs.
 Those live on the internal listener only (design §1): the admin token can set engine argv on
@@ -17,17 +18,17 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.types import ASGIApp
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.gateway.accounting import UsageRecorder
-from llmgw.controlplane.gateway.app import Gateway, internal_error
-from llmgw.controlplane.gateway.errors import openai_error_body
+from llmgw.controlplane.gateway.app import Gateway
+from llmgw.controlplane.gateway.errors import internal_error
 from llmgw.controlplane.gateway.keys import KeyCache, KeyContext
 from llmgw.controlplane.gateway.limits import Limiter
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.routes import RouteCache
+from llmgw.controlplane.gateway.routing_inputs import KvView
 from llmgw.controlplane.http.request_log import RequestLog
 
-__all__ = ["create_public_app", "openai_error_body"]
+__all__ = ["create_public_app"]
 
 
 def create_public_app(
@@ -36,8 +37,9 @@ def create_public_app(
     sessions: async_sessionmaker[AsyncSession],
     libpq_url: str,
     registry: CollectorRegistry,
-    intake: KvIntake,
+    intake: KvView,
 ) -> ASGIApp:
+    """``intake``: the KV index the agent API feeds (the process's ``KvIntake``)."""
     keys = KeyCache(sessions=sessions, libpq_url=libpq_url)
     recorder = UsageRecorder(sessions=sessions)
     limiter = Limiter(recorder=recorder)

@@ -1,9 +1,10 @@
 """A private PostgreSQL server run from the host's own binaries: `llmgw up` and the test harness.
 
-What it holds: finding server binaries (_binaries); ``initdb`` on first use, starting ``postgres``
-on 127.0.0.1 plus a unix socket inside its data dir, waiting until ready and stopping it
-(_server, with the OS side in _process); where throwaway data dirs live (_throwaway); creating
-and dropping databases on any server by URL (_databases).
+What it holds: finding server binaries (_binaries); starting ``postgres`` on 127.0.0.1 plus a
+unix socket inside its data dir, waiting until ready and stopping it (_server, with the OS side
+in _process); ``initdb`` on first use (_initdb); the superuser, the app role and the `llmgw`
+database it owns (_roles); where throwaway data dirs live (_throwaway); creating and dropping
+databases on any server by URL (_databases).
 
 Layout of a data dir (llmgw.config.default_data_dir() for `llmgw up`, a temp dir for tests)::
 
@@ -42,7 +43,8 @@ from llmgw.embedded_postgres._databases import (
 )
 from llmgw.embedded_postgres._errors import DataDirInUseError, PostgresStartError
 from llmgw.embedded_postgres._process import die_with_parent
-from llmgw.embedded_postgres._server import APP_ROLE, SUPERUSER, EmbeddedPostgres
+from llmgw.embedded_postgres._roles import APP_ROLE, SUPERUSER
+from llmgw.embedded_postgres._server import EmbeddedPostgres
 from llmgw.embedded_postgres._throwaway import throwaway_parent
 
 __all__ = [

@@ -1,8 +1,8 @@
 """The operating-system side of running the server: users, environment, signals, pid files, ports.
 
-Nothing here knows PostgreSQL's configuration or SQL; it is what _server.py needs from the OS,
-kept apart so the lifecycle reads as steps. Linux first (/proc, prctl); elsewhere it degrades to
-kill(pid, 0) and no parent-death signal.
+Nothing here knows PostgreSQL's configuration or SQL; it is what _server.py, _initdb.py and
+_roles.py need from the OS, kept apart so the lifecycle reads as steps. Linux first (/proc,
+prctl); elsewhere it degrades to kill(pid, 0) and no parent-death signal.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """The lifecycle of one embedded PostgreSQL server: initdb on first use, start, wait, stop.
 
-Everything here is in the order `start()` runs it. What it must NOT do: run application SQL
-(beyond creating the `llmgw` database and the role that owns it), log the password, or start over a data dir whose
-postmaster.pid names a live process: that lock file is PostgreSQL's own guard, and this module
-reads it but never removes it.
+Everything here is in the order `start()` runs it; initdb itself is _initdb's, the roles and
+the `llmgw` database made on every start _roles'. What it must NOT do: run SQL (_roles does),
+log the password, or start over a data dir whose postmaster.pid names a live process: that
+lock file is PostgreSQL's own guard, and this module reads it but never removes it.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import stat
 import subprocess
@@ -20,17 +19,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-import psycopg
-from psycopg import sql
-
 from llmgw.embedded_postgres._binaries import find_bin_dir
-from llmgw.embedded_postgres._databases import create_database, drop_database, libpq_url
+from llmgw.embedded_postgres._databases import create_database, drop_database
 from llmgw.embedded_postgres._errors import DataDirInUseError, PostgresStartError
+from llmgw.embedded_postgres._initdb import initdb
 from llmgw.embedded_postgres._process import (
     HOST,
     as_owner,
     child_env,
-    chown,
     die_with_parent,
     free_port,
     may_enter,
@@ -38,26 +34,24 @@ from llmgw.embedded_postgres._process import (
     port_free,
     process_name,
     read_lines,
-    run_as,
     server_owner,
     shut_down,
     start_lock,
     tail,
-    write_private,
+)
+from llmgw.embedded_postgres._roles import (
+    APP_DB,
+    APP_ROLE,
+    SUPERUSER,
+    app_password,
+    ensure_app_database,
 )
 from llmgw.embedded_postgres._throwaway import make_throwaway_dir
 from llmgw.errors import ConfigError
 from llmgw.logs import get_logger
 
-__all__ = ["APP_ROLE", "SUPERUSER", "EmbeddedPostgres"]
+__all__ = ["EmbeddedPostgres"]
 
-SUPERUSER = "llmgw"
-# What the application connects as: owner of the `llmgw` database and its schema, nothing more.
-# A superuser there could read any file the server can (COPY ... FROM), run programs
-# (COPY ... PROGRAM) and turn off every constraint (session_replication_role): one SQL injection
-# or leaked URL would be the whole machine instead of the fleet's state.
-APP_ROLE = "llmgw_app"
-_APP_DB = "llmgw"
 _ADMIN_DB = "postgres"
 # sun_path holds 108 bytes with the NUL; a longer socket path makes postgres refuse to start.
 _MAX_SOCKET_PATH = 107
@@ -154,7 +148,7 @@ class EmbeddedPostgres:
     @property
     def url(self) -> str:
         """SQLAlchemy URL of the `llmgw` database (it carries the password: never log it)."""
-        return self._url(_APP_DB)
+        return self._url(APP_DB)
 
     @property
     def admin_url(self) -> str:
@@ -166,7 +160,7 @@ class EmbeddedPostgres:
         """SQLAlchemy URL of the `llmgw` database as :data:`APP_ROLE` (carries its password)."""
         if self._app_password is None:
             raise PostgresStartError("the server has no URL until start() returns")
-        return self._url(_APP_DB, user=APP_ROLE, password=self._app_password)
+        return self._url(APP_DB, user=APP_ROLE, password=self._app_password)
 
     def _url(self, dbname: str, *, user: str = SUPERUSER, password: str | None = None) -> str:
         password = password if password is not None else self._password
@@ -212,10 +206,19 @@ class EmbeddedPostgres:
                 want = int(version_file.read_text().strip()) if version_file.is_file() else None
                 bin_dir = find_bin_dir(self._bin_dir, want_major=want)
                 if want is None:
-                    self._initdb(bin_dir, owner)
+                    initdb(
+                        bin_dir,
+                        owner,
+                        data_dir=self.data_dir,
+                        pgdata=self.pgdata,
+                        password_path=self.password_path,
+                        throwaway=self._throwaway,
+                        say=self._say,
+                    )
                 self._password = self._read_password()
                 self._spawn_until_ready(bin_dir, owner)
-            self._ensure_app_database()
+            self._app_password = app_password(self.app_password_path)
+            ensure_app_database(self.admin_url, self.url, self._app_password)
         except BaseException:
             self._teardown()
             raise
@@ -321,65 +324,6 @@ class EmbeddedPostgres:
             "the file is left from a crash and the pid was reused. PostgreSQL refuses to start "
             f"while it is there; if no server uses {self.pgdata}, delete {pidfile} and start again",
             pid=pid,
-        )
-
-    def _initdb(self, bin_dir: Path, owner: tuple[int, int] | None) -> None:
-        began = time.monotonic()
-        _log.info("postgres_initdb", data_dir=str(self.data_dir), bin_dir=str(bin_dir))
-        self._say(f"initialising PostgreSQL in {self.pgdata} (first run)")
-        if self.pgdata.exists() and any(self.pgdata.iterdir()):
-            raise ConfigError(
-                f"{self.pgdata} is not empty but holds no PG_VERSION, so it is no PostgreSQL data "
-                "dir llmgw made; move it aside or choose another data dir",
-                field="data_dir",
-            )
-        # initdb writes into a staging dir renamed into place only when complete: an initdb
-        # killed halfway leaves something we delete and redo, never a half-made PGDATA that
-        # later starts as if it were whole.
-        stage = self.data_dir / "postgres.initdb"
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(mode=0o700)
-        chown(stage, owner)
-        password = secrets.token_urlsafe(24)
-        # initdb runs as `postgres` and cannot read a root-owned pipe, so the password goes
-        # through a 0600 file in the private staging dir.
-        pwfile = stage / "pwfile"
-        write_private(pwfile, password + "\n", owner)
-        args = [
-            str(bin_dir / "initdb"),
-            "--pgdata",
-            str(stage / "data"),
-            "--username",
-            SUPERUSER,
-            "--pwfile",
-            str(pwfile),
-            "--encoding",
-            "UTF8",
-            # C collation: byte order, identical on every host, and no dependency on which
-            # locales the machine has generated.
-            "--no-locale",
-            # The socket lives in PGDATA (0700, unix_socket_permissions 0700): only the server's
-            # own OS user and root can reach it, so trust there is no wider than file access.
-            # TCP, which every local user can reach, needs the password.
-            "--auth-local=trust",
-            "--auth-host=scram-sha-256",
-        ]
-        if self._throwaway:
-            args.append("--no-sync")
-        done = run_as(args, owner, cwd=stage)
-        if done.returncode != 0:
-            raise PostgresStartError(
-                f"initdb of {self.pgdata} failed with status {done.returncode}:\n"
-                f"{tail(done.stdout.decode(errors='replace'))}"
-            )
-        pwfile.unlink()
-        write_private(self.password_path, password + "\n", None)
-        (stage / "data").rename(self.pgdata)
-        shutil.rmtree(stage, ignore_errors=True)
-        _log.info(
-            "postgres_initialized",
-            data_dir=str(self.data_dir),
-            took_s=round(time.monotonic() - began, 3),
         )
 
     def _read_password(self) -> str:
@@ -493,52 +437,6 @@ class EmbeddedPostgres:
             f"{self.log_path} ends with:\n{tail(log)}"
         )
 
-    def _ensure_app_database(self) -> None:
-        """The `llmgw` database, owned by the non-superuser APP_ROLE, whose password is kept
-        in a 0600 file beside the superuser's (set again on every start, so the file wins)."""
-        self._app_password = self._read_or_make_app_password()
-        role = sql.Identifier(APP_ROLE)
-        with psycopg.connect(libpq_url(self.admin_url), autocommit=True, connect_timeout=10) as c:
-            exists = c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (APP_ROLE,)).fetchone()
-            # Client-side literal: utility statements take no bind parameters. The statement
-            # is never logged (log_statement = none, log_min_error_statement = panic).
-            stmt = sql.SQL(
-                "{} ROLE {} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION "
-                "NOBYPASSRLS PASSWORD {}"
-            ).format(
-                sql.SQL("ALTER" if exists else "CREATE"), role, sql.Literal(self._app_password)
-            )
-            c.execute(stmt)
-            row = c.execute(
-                "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = %s", (_APP_DB,)
-            ).fetchone()
-            if row is None:
-                stmt = sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(_APP_DB), role)
-                if c.info.server_version >= 150000:
-                    # 15's default (WAL_LOG) writes the whole template through the WAL: 0.3 s on
-                    # a fresh cluster against 0.02 s for a file copy plus an empty checkpoint.
-                    stmt = sql.SQL("{} STRATEGY FILE_COPY").format(stmt)
-                c.execute(stmt)
-            elif row[0] != APP_ROLE:
-                c.execute(
-                    sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(_APP_DB), role)
-                )
-            else:
-                return
-        # A new database, or one an older llmgw made as the superuser: the role takes over the
-        # schema and everything in it, so migrations run as the role can alter what exists.
-        with psycopg.connect(libpq_url(self.url), autocommit=True, connect_timeout=10) as c:
-            c.execute(sql.SQL("ALTER SCHEMA public OWNER TO {}").format(role))
-            c.execute(sql.SQL(_REASSIGN_PUBLIC).format(role=sql.Literal(APP_ROLE)))
-
-    def _read_or_make_app_password(self) -> str:
-        try:
-            return self.app_password_path.read_text().strip()
-        except FileNotFoundError:
-            password = secrets.token_urlsafe(24)
-            write_private(self.app_password_path, password + "\n", None)
-            return password
-
     # -- helpers
 
     def _say(self, message: str) -> None:
@@ -566,35 +464,6 @@ class EmbeddedPostgres:
             self._data_dir = None
             self._port = None
             self._password = None
-
-
-# Hands the superuser's tables, views, standalone sequences and functions in `public` to the
-# app role (a sequence owned by a column follows its table; altering it directly is refused).
-_REASSIGN_PUBLIC = """
-DO $$
-DECLARE
-    r record;
-    app text := {role};
-BEGIN
-    FOR r IN
-        SELECT c.oid::regclass AS name FROM pg_class c
-        WHERE c.relnamespace = 'public'::regnamespace AND c.relowner <> app::regrole
-          AND (c.relkind IN ('r', 'p', 'v')
-               OR (c.relkind = 'S' AND NOT EXISTS (
-                   SELECT 1 FROM pg_depend d WHERE d.objid = c.oid AND d.deptype IN ('a', 'i'))))
-    LOOP
-        EXECUTE format('ALTER TABLE %s OWNER TO %I', r.name, app);
-    END LOOP;
-    FOR r IN
-        SELECT p.oid::regprocedure AS name FROM pg_proc p
-        WHERE p.pronamespace = 'public'::regnamespace AND p.proowner <> app::regrole
-          AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.objid = p.oid AND d.deptype = 'e')
-    LOOP
-        EXECUTE format('ALTER ROUTINE %s OWNER TO %I', r.name, app);
-    END LOOP;
-END
-$$
-"""
 
 
 class _PortTakenError(Exception):

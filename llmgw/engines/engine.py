@@ -73,7 +73,7 @@ class Engine(ABC):
     authenticates: ClassVar[bool] = True
     # The engine can come up on the CPU when placed on GPUs and keep serving
     # without an error; the agent checks it is on its GPUs before calling it
-    # ready (list_devices_command).
+    # ready (cpu_fallback_in_log, then list_devices_command).
     falls_back_to_cpu: ClassVar[bool] = False
     # The engine can free its GPU memory and resume without a restart.
     supports_suspend: ClassVar[bool] = False
@@ -229,9 +229,21 @@ class Engine(ABC):
         """
         return command.path, ("--help",)
 
+    def cpu_fallback_in_log(self, log: str) -> str:
+        """What in the engine's log says it is serving from the CPU though placed on GPUs, or
+        "" when nothing does (the default: an engine that never falls back logs no such thing).
+
+        ``log`` is the end of the engine's output, as the agent read it."""
+        return ""
+
     def list_devices_command(self, command: Command) -> tuple[str, tuple[str, ...]] | None:
         """A command that lists the GPUs the engine's build can see, or None."""
         return None
+
+    def listed_devices(self, output: str) -> list[str]:
+        """The devices in what ``list_devices_command`` printed: one per non-blank line unless
+        the engine's listing says otherwise (an engine with such a command overrides both)."""
+        return [line.strip() for line in output.splitlines() if line.strip()]
 
     def use_installed(self, path: str) -> bool:
         """Point the engine at a build the agent installed; False if it takes none."""

@@ -2,7 +2,8 @@
 
 Flags are the reference's (engines.md §3: tools/server/README.md). This module
 must NOT decide whether a build really uses its GPUs: it says how to ask
-(`list_devices_command`) and what the answer and the log look like.
+(`list_devices_command`) and how to read the answer (`listed_devices`) and the log
+(`cpu_fallback_in_log`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
 from llmgw.errors import SpecError
 
-__all__ = ["CPU_FALLBACK_LOG_MARKERS", "LlamaCpp", "parse_devices"]
+__all__ = ["LlamaCpp"]
 
 # What a build without a GPU backend logs before serving on the CPU anyway.
-CPU_FALLBACK_LOG_MARKERS = ("not compiled with GPU offload support",)
+_CPU_FALLBACK_LOG_MARKERS = ("not compiled with GPU offload support",)
 
 _GPU_LAYERS = ("--n-gpu-layers", "-ngl", "--gpu-layers")
 _THREADS = ("--threads", "-t")
@@ -79,8 +80,19 @@ class LlamaCpp(Engine):
         self._cfg = self._cfg.model_copy(update={"path": path})
         return True
 
+    def cpu_fallback_in_log(self, log: str) -> str:
+        return next((m for m in _CPU_FALLBACK_LOG_MARKERS if m in log), "")
+
     def list_devices_command(self, command: Command) -> tuple[str, tuple[str, ...]] | None:
         return command.path, ("--list-devices",)
+
+    def listed_devices(self, output: str) -> list[str]:
+        # "Available devices:", then one indented line per device.
+        return [
+            line.strip()
+            for line in output.splitlines()
+            if line.startswith((" ", "\t")) and line.strip()
+        ]
 
     def _commands(self, spec: ShardSpec, inherited: Mapping[str, str]) -> list[Command]:
         p = spec.profile
@@ -114,12 +126,3 @@ class LlamaCpp(Engine):
         extra = {"LLAMA_API_KEY": spec.api_key} if spec.api_key else {}
         env = materialize_env(inherited, shard_env(spec, extra), spec)
         return [Command(name="llama-server", path=self._cfg.path, args=tuple(args), env=env)]
-
-
-def parse_devices(output: str) -> list[str]:
-    """The devices `llama-server --list-devices` printed, one per indented line."""
-    return [
-        line.strip()
-        for line in output.splitlines()
-        if line.startswith((" ", "\t")) and line.strip()
-    ]

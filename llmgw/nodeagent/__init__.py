@@ -3,9 +3,14 @@
 Discovers the node (inventory/), registers with the control plane and pulls
 its desired shard set (sync.py, client.py over llmgw.protocol), runs each
 shard under a `llmgw shard-run` wrapper (shardrun.py) and supervises them
-(diff.py, the pure core; supervisor.py, the shell), adopting running engines
-after its own restart (records.py, procs.py). Local policy and secrets are
-resolved here (policy.py, secrets.py, prepare.py).
+(diff.py, the pure core; supervisor.py, the shell, with supervisor_config.py:
+launch.py starts and stops shards, exits.py reads their ends, health.py probes
+them), adopting running engines after its own restart (records.py, procs.py,
+runtime.py). Local policy and secrets are resolved here (policy.py,
+secrets.py, prepare.py, adapters.py, ports.py). Ready engines are exposed
+through an authenticating proxy (proxy.py) and their KV events relayed to the
+control plane (kvrelay/); agent.py wires it all together, state.py keeps its
+identity and metrics.py its /metrics and /healthz.
 
 It must NOT import llmgw.controlplane: the two share only llmgw.protocol.
 Submodules are imported by name; this package re-exports nothing so that

@@ -40,7 +40,8 @@ from llmgw.nodeagent.policy import LocalPolicy
 from llmgw.nodeagent.prepare import NodeFacts
 from llmgw.nodeagent.records import ShardRecord
 from llmgw.nodeagent.state import AgentState
-from llmgw.nodeagent.supervisor import Supervisor, SupervisorConfig
+from llmgw.nodeagent.supervisor import ShardHooks, Supervisor
+from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from llmgw.nodeagent.sync import SyncLoop, SyncTiming
 from llmgw.protocol import ControlPlaneInstance, FabricInfo, NodeInventory, SyncResponse
 
@@ -328,8 +329,6 @@ class Agent:
             verify_tls=self.settings.controlplane_ca_file or True,
             registry=self.metrics.registry,
         )
-        from llmgw.nodeagent.supervisor import ShardHooks
-
         hooks: ShardHooks = _KvHooks(self.relay)
         self.supervisor.hooks = hooks
 
@@ -454,9 +453,7 @@ class Agent:
         finally:
             if self.relay is not None:
                 await self.relay.close()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await eventloop.cancel_and_wait(tasks)
             if self._stop_engines_on_exit:
                 await self._stop_all_engines()
             await self.endpoints.stop()
@@ -470,14 +467,11 @@ class Agent:
     async def _stop_all_engines(self) -> None:
         """Stop every shard (wrapper, engine, marked leftovers) before exiting: `llmgw up`'s
         Ctrl-C stops engines first, then the agent (issue [up])."""
-        # Records are kept ("restart", not "forget"): the next start brings the same shards
-        # back at once, and the report below says each one exited.
-        for rt in list(self.supervisor.runtimes.values()):
-            if rt.phase != "stopping":
-                self.supervisor._begin_stop(rt, then="restart")
-        await self.supervisor.idle()
-        for rt in self.supervisor.runtimes.values():
-            rt.exit_reason = "stopped: its agent exited (--stop-engines-on-exit)"
+        # Records are kept: the next start brings the same shards back at once, and the
+        # report below says each one exited.
+        await self.supervisor.stop_all(
+            exit_reason="stopped: its agent exited (--stop-engines-on-exit)"
+        )
         log.info("engines_stopped_on_exit")
         # Without a last report the control plane would show them ready, and gateways would
         # route to engines that are gone until the node's grace ran out.

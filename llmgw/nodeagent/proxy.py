@@ -36,6 +36,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from llmgw.bodies import BodyTooLarge, read_capped
 from llmgw.logs import get_logger
 
 __all__ = ["ALLOWED_PATHS", "EngineProxy", "ProxyRoute"]
@@ -182,30 +183,18 @@ class EngineProxy:
         )
         if not scrape and not hmac.compare_digest(presented, expected):
             return _error(401, "unauthorized", f"missing or wrong API key for shard {shard}")
-        declared = request.content_length
-        if declared is not None and declared > self.max_body_bytes:
-            return _error(413, "body-too-large", self._too_large())
-        body = await self._read_body(request)
-        if body is None:
-            return _error(413, "body-too-large", self._too_large())
+        try:
+            # aiohttp's parser has already refused a Content-Length that is not a number.
+            body = await read_capped(
+                request.content.iter_any(), self.max_body_bytes, request.content_length
+            )
+        except BodyTooLarge:
+            return _error(
+                413,
+                "body-too-large",
+                f"request body is larger than the proxy's {self.max_body_bytes}-byte cap",
+            )
         return await self._forward(request, shard, route, rest, body)
-
-    def _too_large(self) -> str:
-        return f"request body is larger than the proxy's {self.max_body_bytes}-byte cap"
-
-    async def _read_body(self, request: web.BaseRequest) -> bytes | None:
-        if not request.body_exists:
-            return b""
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            chunk = await request.content.readany()
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
 
     async def _forward(
         self, request: web.BaseRequest, shard: str, route: ProxyRoute, rest: str, body: bytes

@@ -4,7 +4,7 @@
       identity.json         0600  node id, node credential, cluster id, control plane URL
       epoch                 0600  the last agent epoch used
       shards/               one directory per shard (records.py)
-      kv/                   the KV relay's mirror of each engine, <shard>.mirror (kvrelay_state.py)
+      kv/                   the KV relay's mirror of each engine, <shard>.mirror (kvrelay/state.py)
 
 The credential is what the control plane trusts this node by; anyone who
 reads it can report as this node, so it is 0600 in a 0700 directory and

@@ -17,13 +17,13 @@ Must NOT format HTTP responses (openai_wire.py) or parse requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from llmgw.errors import LlmgwError, SpecError
+from llmgw.eventloop import cancel_and_wait
 from llmgw.kv.hashing import BlockHash, extra_keys_for_block, hash64, hash_block, none_hash
 from llmgw.logs import get_logger
 from llmgw.simengine.config import SimEngineConfig
@@ -170,10 +170,7 @@ class SimEngine:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         for stream in self._streams.values():
             stream.aborted = True
             stream.wake()

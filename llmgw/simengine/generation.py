@@ -30,6 +30,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import ValidationError
 
+from llmgw.bodies import ClientGone
 from llmgw.errors import AuthError, ConflictError, LlmgwError, NotFoundError, SpecError
 from llmgw.simengine.api_models import (
     ChatCompletionRequest,
@@ -48,7 +49,6 @@ from llmgw.simengine.engine import (
 from llmgw.simengine.limits import (
     OFFLOAD_BODY_BYTES,
     BodyTooLargeError,
-    asgi_body_chunks,
     parse_json_body,
     read_capped_body,
 )
@@ -140,14 +140,14 @@ class GenerationRoutes:
             await _reply(send, 401, unauthorized_body())
             return
         try:
-            body = await read_capped_body(
-                asgi_body_chunks(receive), scope.get("headers", ()), self._max_body
-            )
+            body = await read_capped_body(receive, scope.get("headers", ()), self._max_body)
             if len(body) > OFFLOAD_BODY_BYTES:
                 request, model, params = await asyncio.to_thread(self._prepare, kind, body)
             else:
                 request, model, params = self._prepare(kind, body)
             stream = self._engine.submit(params)
+        except ClientGone:
+            return  # the client left before its body was complete: no one to answer
         except LlmgwError as exc:
             status = status_of(exc)
             await _reply(send, status, error_body(exc.message, status=status, param=exc.field))

@@ -160,7 +160,7 @@ def build_app(engine: SimEngine) -> ASGIApp:
         """The parsed body under the same caps as generation, and whether it is large enough
         that the work on it belongs on a worker thread."""
         body = await read_capped_body(
-            request.stream(), request.scope.get("headers", ()), config.max_body_bytes
+            request.receive, request.scope.get("headers", ()), config.max_body_bytes
         )
         large = len(body) > OFFLOAD_BODY_BYTES
         data = await asyncio.to_thread(parse_json_body, body) if large else parse_json_body(body)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
+from llmgw.eventloop import cancel_and_wait
 from llmgw.kv.codec import HashForm, Shape, encode_batch
 from llmgw.kv.errors import KVDecodeError
 from llmgw.kv.events import BlockRemoved, BlockStored, EventBatch, KVEvent
@@ -138,10 +139,7 @@ class KvEventPublisher:
             )
 
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+        await cancel_and_wait(self._replay_task)
         if self._router is not None:
             self._router.close(linger=0)
         self._pub.close(linger=0)

@@ -98,29 +98,14 @@ def ensure_bootstrap_token(
 
 async def _token(database_url: str, token_id: str) -> tuple[str, str] | None:
     """None: the stored token is still good; else a new (id, plaintext)."""
-    from sqlalchemy import select
-
-    from llmgw.controlplane.store.agents import create_bootstrap_token
+    from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token, has_use_left
     from llmgw.controlplane.store.database import create_engine, session_factory
-    from llmgw.controlplane.store.tables import BootstrapToken
 
     engine = create_engine(database_url, pool_size=1)
     try:
         async with session_factory(engine)() as session, session.begin():
-            if token_id:
-                row = (
-                    await session.execute(
-                        select(BootstrapToken).where(BootstrapToken.id == token_id)
-                    )
-                ).scalar_one_or_none()
-                if (
-                    row is not None
-                    and not row.revoked
-                    and (row.uses_left is None or row.uses_left > 0)
-                    and row.expires_at.replace(tzinfo=row.expires_at.tzinfo or UTC)
-                    > datetime.now(UTC)
-                ):
-                    return None
+            if token_id and await has_use_left(session, token_id):
+                return None
             new, plaintext = await create_bootstrap_token(
                 session,
                 ttl_s=_TOKEN_TTL_S,

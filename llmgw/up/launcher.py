@@ -1,13 +1,12 @@
-"""`llmgw up`: the all-in-one deployment on one machine.
+"""`llmgw up`'s start sequence: the all-in-one deployment on one machine, from the data
+dir's lock to the children running, and its stop in the reverse order.
 
 A private Postgres in the data dir, migrated to head, then `llmgw controlplane` and
-`llmgw agent` as child processes, each supervised on its own: one that dies is restarted
-alone, with growing pauses (the agent adopts the engines that kept running). The agent
-registers with a bootstrap token `up` creates, offers `--sim-gpus` simulated GPUs, and
-runs the demo (config/demo.yaml, applied once unless --no-demo) on the simulator. While
-replicas come up, `up` says which shard is loading, ready or failing and why; once the
-OpenAI endpoint answers a chat completion with the API key `up` created, it prints the
-URLs, the key, the admin token and examples, and writes up.json (0600).
+`llmgw agent` as child processes, each supervised on its own (supervision.py): one that dies
+is restarted alone, with growing pauses (the agent adopts the engines that kept running). The
+agent registers with a bootstrap token `up` creates, offers `--sim-gpus` simulated GPUs, and
+runs the demo (config/demo.yaml, applied once unless --no-demo) on the simulator. What
+follows the start, up to the announcement and up.json, is bringup.py's.
 
 Only the public listener (--host/--port) may face the network; the admin API stays on
 controlplane.internal_host (127.0.0.1 by default). Ctrl-C (SIGINT), SIGTERM or SIGHUP
@@ -22,7 +21,6 @@ dir), or start over a data dir another `llmgw up` holds.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -31,32 +29,27 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
-from sqlalchemy.engine import URL, make_url
 
 from llmgw.embedded_postgres import (
     DataDirInUseError,
     EmbeddedPostgres,
     libpq_url,
 )
-from llmgw.errors import ConfigError, ConflictError, EngineStartError
+from llmgw.errors import ConfigError, ConflictError
 from llmgw.logs import get_logger
 from llmgw.up import bootstrap as api
 from llmgw.up import children as procs
+from llmgw.up.bringup import UP_JSON, BringUp
 from llmgw.up.children import Child
+from llmgw.up.options import UpOptions
+from llmgw.up.supervision import postgres_alive, restart_dead
 
-__all__ = ["AllInOne", "UpOptions", "load_or_create_admin_token"]
+__all__ = ["AllInOne", "load_or_create_admin_token"]
 
 log = get_logger("llmgw.up")
 
 _ADMIN_TOKEN_FILE = "admin_token"
-_UP_JSON = "up.json"
-_CHILD_READY_TIMEOUT_S = 60.0
-# A child that keeps dying is restarted with growing pauses, not in a hot loop.
-_RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 # The agent stops its engines before it exits (--stop-engines-on-exit): each gets its
 # SIGTERM grace (agent.stop_grace_s) before the wrapper escalates.
 _AGENT_STOP_TIMEOUT_S = 60.0
@@ -64,22 +57,6 @@ _CONTROLPLANE_STOP_TIMEOUT_S = 20.0
 # A single machine syncs every second: startup waits on syncs, and one node costs nothing.
 _SYNC_S = "1.0"
 _TICK_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class UpOptions:
-    data_dir: Path
-    host: str
-    port: int  # the public listener: the OpenAI API
-    admin_port: int  # the control plane's internal listener: admin API, agent API, metrics
-    demo: bool
-    log_level: str
-    config_path: Path | None
-    # The internal listener's address. Never --host: the admin token can set engine argv on
-    # every node, so publishing the OpenAI port must not publish the admin API with it.
-    internal_host: str = "127.0.0.1"
-    sim_gpus: int = 8
-    demo_path: Path | None = None  # None: config/demo.yaml of this source tree
 
 
 def load_or_create_admin_token(data_dir: Path) -> str:
@@ -119,6 +96,9 @@ def _kept_port(path: Path) -> int:
 
 
 class AllInOne:
+    """One `llmgw up` run: ``run()`` starts everything, supervises it until ``request_stop``
+    (a signal handler), then stops it all; ``say`` gets progress, ``show`` the announcement."""
+
     def __init__(
         self,
         opts: UpOptions,
@@ -133,14 +113,6 @@ class AllInOne:
         self._pg: EmbeddedPostgres | None = None
         self._children: dict[str, Child] = {}
         self._t0 = time.monotonic()
-
-    @property
-    def admin_url(self) -> str:
-        return _http_url(_connectable(self.opts.internal_host), self.opts.admin_port)
-
-    @property
-    def base_url(self) -> str:
-        return _http_url(_connectable(self.opts.host), self.opts.port) + "/v1"
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -178,7 +150,7 @@ class AllInOne:
 
     def _run_locked(self) -> int:
         opts = self.opts
-        stale = opts.data_dir / _UP_JSON
+        stale = opts.data_dir / UP_JSON
         if stale.exists():
             # We hold the lock, so whoever wrote it is gone without cleaning up.
             log.warning("previous_run_not_stopped_cleanly", up_json=str(stale))
@@ -211,7 +183,7 @@ class AllInOne:
                 self._start_children(url, token)
                 self._supervise(token)
         finally:
-            (opts.data_dir / _UP_JSON).unlink(missing_ok=True)
+            (opts.data_dir / UP_JSON).unlink(missing_ok=True)
             self._stop_children()
             self._pg.stop()
             (opts.data_dir / procs.CHILDREN_JSON).unlink(missing_ok=True)
@@ -298,7 +270,7 @@ class AllInOne:
             env.setdefault("LLMGW_AGENT__HEALTH_INTERVAL_S", "0.5")
             argv = [
                 sys.executable, "-m", "llmgw", "agent",
-                "--controlplane-url", self.admin_url,
+                "--controlplane-url", self.opts.admin_url,
                 "--bootstrap-token-file", str(token_file),
                 "--state-dir", str(state_dir),
                 "--node-name", node_name,
@@ -336,192 +308,22 @@ class AllInOne:
     def _supervise(self, token: str) -> None:
         """Restart children that die; meanwhile bring the system up step by step, each step
         retried on the next tick while what it needs is not there yet."""
-        stage = "controlplane"
-        api_key = ""
-        demo: api.Demo | None = None
-        progress: api.Progress | None = None
-        cp_deadline = time.monotonic() + _CHILD_READY_TIMEOUT_S
-        say_waiting = True
-        next_probe = time.monotonic() + 2.0
-        while not self._stop.wait(_TICK_S):
-            if not self._postgres_alive():
-                continue
-            self._restart_dead(announced=stage == "up")
-            try:
-                if stage == "controlplane":
-                    if self._readyz():
-                        self._children["controlplane"].ever_ready = True
-                        stage = "key"
-                    elif time.monotonic() > cp_deadline:
-                        raise EngineStartError(
-                            f"the control plane was not ready within {_CHILD_READY_TIMEOUT_S:.0f}s "
-                            f"at {self.admin_url}/readyz; its log:\n"
-                            + self._children["controlplane"].log_tail()
-                        )
-                if stage == "key":
-                    api_key = api.ensure_api_key(self.opts.data_dir, self.admin_url, token)
-                    stage = "demo"
-                if stage == "demo":
-                    demo = self._apply_demo(token)
-                    if demo is not None and demo.deployments:
-                        self._say("Waiting for the demo's replicas:")
-                        progress = api.Progress(demo.deployments, self._say)
-                    stage = "replicas"
-                if stage == "replicas":
-                    done = progress is None or progress.poll(self.admin_url, token)
-                    if not done and time.monotonic() >= next_probe:
-                        # What the progress lines cannot see (a shard adopted by a restarted
-                        # agent reports no change) the endpoint answering proves.
-                        next_probe = time.monotonic() + 2.0
-                        done = self._demo_answers(api_key, demo)
-                        if done and progress is not None:
-                            # The gateway learns of a ready shard (NOTIFY) as soon as this
-                            # poll could: say what made it answer before moving on.
-                            progress.poll(self.admin_url, token)
-                    if done:
-                        stage = "gateway"
-                        if say_waiting:
-                            self._say("Waiting for the OpenAI endpoint to answer ...")
-                            say_waiting = False
-                if stage == "gateway":
-                    model = demo.models[0] if demo is not None and demo.models else None
-                    if api.probe_gateway(self.base_url, api_key, model):
-                        self._announce(token, api_key, demo)
-                        stage = "up"
-            except httpx.HTTPError as exc:
-                # The control plane restarting, or not listening yet: the next tick retries.
-                log.debug("up_step_retry", stage=stage, error=type(exc).__name__)
-
-    def _demo_answers(self, api_key: str, demo: api.Demo | None) -> bool:
-        model = demo.models[0] if demo is not None and demo.models else None
-        return api.probe_gateway(self.base_url, api_key, model)
-
-    def _apply_demo(self, token: str) -> api.Demo | None:
-        if not self.opts.demo:
-            return None
-        source = self.opts.demo_path or api.demo_file()
-        if not source.is_file():
-            raise ConfigError(
-                f"the demo file {source} does not exist (llmgw installed without its config/ "
-                "directory?); start with --no-demo and apply your own models",
-                field="--no-demo",
-            )
-        first = not (self.opts.data_dir / api.DEMO_MARKER).exists()
-        if first:
-            self._say(f"Applying the demo ({source}) ...")
-        return api.apply_demo(self.opts.data_dir, self.admin_url, token, source)
-
-    def _readyz(self) -> bool:
-        cp = self._children["controlplane"]
-        if cp.popen is not None and cp.popen.poll() is not None and not cp.ever_ready:
-            raise EngineStartError(
-                f"the control plane exited with status {cp.popen.returncode} while starting; "
-                f"its log ({cp.log_path}):\n{cp.log_tail()}"
-            )
-        r = httpx.get(f"{self.admin_url}/readyz", timeout=2.0)
-        return r.status_code == 200
-
-    def _restart_dead(self, *, announced: bool) -> None:
-        now = time.monotonic()
-        for child in self._children.values():
-            p = child.popen
-            if p is None or p.poll() is None:
-                continue
-            if child.restart_at is None:
-                if not announced and p.returncode == 2 and now - child.started_at < 30:
-                    # Status 2 is llmgw's "bad configuration": restarting cannot fix it.
-                    raise EngineStartError(
-                        f"the {child.name} exited with status 2 while starting; its log "
-                        f"({child.log_path}):\n{child.log_tail()}"
-                    )
-                # A child that stayed up a minute earns a fresh backoff.
-                if now - child.started_at > 60:
-                    child.failures = 0
-                pause = _RESTART_BACKOFF_S[min(child.failures, len(_RESTART_BACKOFF_S) - 1)]
-                child.failures += 1
-                child.restart_at = now + pause
-                log.warning(
-                    "child_exited", child=child.name, status=p.returncode, restart_in_s=pause
-                )
-                self._say(
-                    f"The {child.name} exited (status {p.returncode}); restarting it in "
-                    f"{pause:.0f}s (log: {child.log_path})"
-                )
-            elif now >= child.restart_at:
-                child.start()
-                procs.record_children(self.opts.data_dir, list(self._children.values()))
-
-    def _postgres_alive(self) -> bool:
-        """Restart a Postgres that died (a crash, the OOM killer, `kill -9`) on its port.
-
-        The control plane stays up meanwhile: /readyz says 503 and its pool, which pings each
-        connection before use, reconnects by itself once the server is back. Returns whether
-        Postgres runs (False only when a stop was asked for while waiting to restart it).
-        """
         pg = self._pg
         assert pg is not None
-        status = pg.exited()
-        if status is None:
-            return True
-        log.warning("postgres_exited", status=status, pid_file=str(pg.pgdata / "postmaster.pid"))
-        failures = 0
-        while not self._stop.is_set():
-            pause = _RESTART_BACKOFF_S[min(failures, len(_RESTART_BACKOFF_S) - 1)]
-            log.warning("postgres_restart_scheduled", attempt=failures + 1, restart_in_s=pause)
-            if self._stop.wait(pause):
-                return False
-            try:
-                pg.restart()
-            except Exception as exc:  # any failure to start is retried, longer each time
-                log.warning("postgres_restart_failed", error=str(exc).splitlines()[0])
-                failures += 1
+        steps = BringUp(
+            self.opts,
+            token,
+            controlplane=self._children["controlplane"],
+            pg=pg,
+            say=self._say,
+            show=self._show,
+            started_at=self._t0,
+        )
+        while not self._stop.wait(_TICK_S):
+            if not postgres_alive(pg, self._stop):
                 continue
-            log.info("postgres_restarted", pid=pg.pid, port=pg.port, attempts=failures + 1)
-            return True
-        return False
-
-    # --- the announcement ---------------------------------------------------------------------
-
-    def _announce(self, token: str, api_key: str, demo: api.Demo | None) -> None:
-        assert self._pg is not None
-        # The URL without its password: up.json is read by scripts and pasted into tickets; the
-        # password stays in its own 0600 file, which the psql hint reads.
-        app = make_url(self._pg.app_url)
-        database_url = libpq_url(
-            URL.create(
-                app.drivername,
-                username=app.username,
-                host=app.host,
-                port=app.port,
-                database=app.database,
-            ).render_as_string(hide_password=False)
-        )
-        took_s = time.monotonic() - self._t0
-        models = demo.models if demo is not None else []
-        info = {
-            "base_url": self.base_url,
-            "api_key": api_key,
-            "admin_url": self.admin_url,
-            "admin_token": token,
-            "database_url": database_url,
-            "data_dir": str(self.opts.data_dir),
-            "models": models,
-            "pid": os.getpid(),
-        }
-        api.write_private(self.opts.data_dir / _UP_JSON, json.dumps(info, indent=2) + "\n")
-        log.info("up_ready", took_s=round(took_s, 2))
-        self._show(
-            api.announcement(
-                base_url=self.base_url,
-                api_key=api_key,
-                admin_url=self.admin_url,
-                admin_token=token,
-                data_dir=self.opts.data_dir,
-                psql=f"PGPASSWORD=$(cat {self._pg.app_password_path}) psql {database_url}",
-                models=models,
-                took_s=took_s,
-            )
-        )
+            restart_dead(self._children, self.opts.data_dir, self._say, announced=steps.announced)
+            steps.step()
 
 
 def _create_extensions(superuser_url: str) -> None:
@@ -532,12 +334,3 @@ def _create_extensions(superuser_url: str) -> None:
 
     with psycopg.connect(libpq_url(superuser_url), autocommit=True, connect_timeout=10) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS btree_gist")
-
-
-def _connectable(host: str) -> str:
-    # A wildcard address is where one listens, not where one connects.
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def _http_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

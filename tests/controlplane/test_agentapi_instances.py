@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from llmgw.controlplane.instances import (
-    InstanceHeartbeat,
-    InstanceIdentity,
+from llmgw.controlplane.instances import InstanceHeartbeat, InstanceIdentity, new_instance_id
+from llmgw.controlplane.store.database import create_engine, session_factory
+from llmgw.controlplane.store.instances import (
     list_live_instances,
-    new_instance_id,
     remove_instance,
     upsert_instance,
 )
-from llmgw.controlplane.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(60)
 

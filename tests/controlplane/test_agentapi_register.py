@@ -20,8 +20,8 @@ from agentapi_testkit import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.credentials import parse_node_credential
-from llmgw.controlplane.store.agents import create_bootstrap_token
+from llmgw.controlplane.credentials import parse_node_credential
+from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token
 from llmgw.errors import SpecError
 from llmgw.protocol.sync import REGISTER_PATH, RegisterRequest, RegisterResponse
 

@@ -123,6 +123,18 @@ def test_llamacpp_gpu_lora_by_index_and_cpu_fallback_capability() -> None:
     assert eng.list_devices_command(c) == ("llama-server", ("--list-devices",))
 
 
+def test_llamacpp_reads_a_cpu_fallback_from_its_log_and_its_device_list() -> None:
+    eng = registry().get("llamacpp")
+    log = "main: warning: not compiled with GPU offload support, --gpu-layers option ignored\n"
+    assert eng.cpu_fallback_in_log(log) == "not compiled with GPU offload support"
+    assert eng.cpu_fallback_in_log("main: server is listening\n") == ""
+    device = "CUDA0: NVIDIA H100 80GB HBM3 (81559 MiB, 80000 MiB free)"
+    assert eng.listed_devices(f"Available devices:\n  {device}\n") == [device]
+    assert eng.listed_devices("Available devices:\n") == []
+    # An engine that never falls back finds nothing in any log.
+    assert registry().get("vllm").cpu_fallback_in_log(log) == ""
+
+
 def test_llamacpp_profile_gpu_layers_replace_the_default() -> None:
     [c] = build(spec(profile(engine="llamacpp", args=["-ngl", "20"])))
     assert c.args.count("-ngl") == 1

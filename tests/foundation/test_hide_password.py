@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.config import _hide_password
+from llmgw.config.loading import _hide_password
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,9 @@ from support.procs import free_port
 
 from llmgw.config import GatewaySettings
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
-from llmgw.controlplane.gateway.app import Gateway, internal_error
-from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.gateway.keys import parse_api_key
+from llmgw.controlplane.credentials import parse_api_key
+from llmgw.controlplane.gateway.app import Gateway
+from llmgw.controlplane.gateway.errors import GatewayError, internal_error
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.controlplane.http.request_log import RequestLog

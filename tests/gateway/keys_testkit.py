@@ -22,9 +22,9 @@ from psycopg import sql
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.admin.keys import notify_keys_changed
-from llmgw.controlplane.gateway.keys import new_api_key
+from llmgw.controlplane.credentials import new_api_key
 from llmgw.controlplane.store.database import create_engine, session_factory
+from llmgw.controlplane.store.keys import notify_keys_changed
 from llmgw.controlplane.store.tables import ApiKey
 from llmgw.embedded_postgres import libpq_url
 

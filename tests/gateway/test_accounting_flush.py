@@ -14,7 +14,8 @@ from pg_harness import PgServer
 from sqlalchemy.exc import OperationalError
 from structlog.testing import capture_logs
 
-from llmgw.controlplane.gateway.accounting import UsageRecorder, UsageRow, apply_flush
+from llmgw.controlplane.gateway.accounting import UsageRecorder
+from llmgw.controlplane.store.usage import UsageRow, apply_flush
 from llmgw.embedded_postgres import libpq_url
 
 pytestmark = pytest.mark.timeout(60)

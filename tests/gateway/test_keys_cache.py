@@ -11,8 +11,9 @@ from keys_testkit import database_offline, insert_key, revoke_key, sessions_on, 
 from pg_harness import PgServer
 from structlog.testing import capture_logs
 
+from llmgw.controlplane.credentials import parse_api_key
 from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.gateway.keys import KeyCache, parse_api_key
+from llmgw.controlplane.gateway.keys import KeyCache
 from llmgw.embedded_postgres import libpq_url
 
 pytestmark = pytest.mark.timeout(60)

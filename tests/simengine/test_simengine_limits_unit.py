@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from llmgw.bodies import MAX_JSON_DEPTH, json_depth_exceeds
 from llmgw.errors import SpecError
-from llmgw.simengine.limits import MAX_JSON_DEPTH, json_depth_exceeds, parse_json_body
+from llmgw.simengine.limits import parse_json_body
 
 
 def _nested(depth: int) -> bytes:

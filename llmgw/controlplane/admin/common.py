@@ -1,12 +1,12 @@
 """What every admin router shares: authentication, the per-request transaction, pages,
 names in paths, and audited create / update / delete.
 
-A route does three things: parse (pydantic), call the SQL in ``queries`` /
-``fleet_queries``, and hand its write to ``create`` / ``update`` / ``delete`` here, which
-record the audit row and NOTIFY the reconciler inside the same transaction. Keeping that in
-one place is what makes "every write is audited and wakes the reconciler" true of routes
-written later too. Nothing here may commit: the ``Session`` dependency owns the transaction
-and commits before the response is sent.
+A route does three things: parse (pydantic), call the SQL of ``llmgw.controlplane.store``
+(``catalog``, ``fleet``, ...), and hand its write to ``create`` / ``update`` / ``delete``
+here, which record the audit row and NOTIFY the reconciler inside the same transaction.
+Keeping that in one place is what makes "every write is audited and wakes the reconciler"
+true of routes written later too. Nothing here may commit: the ``Session`` dependency owns
+the transaction and commits before the response is sent.
 """
 
 from __future__ import annotations
@@ -153,9 +153,7 @@ async def create(
     session: AsyncSession, audit: Audit, *, kind: str, name: str, row: _Row, view: View[_Row, _Out]
 ) -> _Out:
     """Insert ``row``, audit it, return its view (server defaults read back)."""
-    session.add(row)
-    await session.flush()
-    await session.refresh(row)
+    await catalog.insert_row(session, row)
     out = await view(row)
     await audit.record(
         session, action="create", kind=kind, name=name, before=None, after=audit_view(out)
@@ -184,8 +182,7 @@ async def update(
         return before, False
     if on_change is not None:
         await on_change(row)
-    await session.flush()
-    await session.refresh(row)
+    await catalog.save_row(session, row)
     out = await view(row)
     await audit.record(
         session,

@@ -72,9 +72,8 @@ def deployment_out(session: AsyncSession) -> Callable[[Deployment], Awaitable[De
     """The view function of deployments read in ``session`` (names and status looked up)."""
 
     async def view(d: Deployment) -> DeploymentOut:
-        model = await session.get(Model, d.model_id)
-        profile = await session.get(Profile, d.profile_id)
-        assert model is not None and profile is not None  # FK RESTRICT
+        model = await catalog.get_model_by_id(session, d.model_id)
+        profile = await catalog.get_profile_by_id(session, d.profile_id)
         status = await catalog.get_deployment_status(session, d.id)
         return _view(d, model.name, profile.name, status)
 
@@ -192,8 +191,7 @@ async def update_deployment(
     d = await _locked(session, name)
     changes = body.model_dump(exclude={"version", "profile"}, exclude_none=True)
     if body.profile is not None:
-        model = await session.get(Model, d.model_id)
-        assert model is not None
+        model = await catalog.get_model_by_id(session, d.model_id)
         changes["profile_id"] = (await profile_of_model(session, body.profile, model)).id
     try:
         check_rollout_budget(

@@ -44,10 +44,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter
-from sqlalchemy import select
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.store.tables import Deployment, Model, Node, Replica, Shard
+from llmgw.controlplane.store.discovery import metrics_targets
 
 __all__ = ["prometheus_targets", "router", "target_group"]
 
@@ -80,38 +79,15 @@ def target_group(
 @router.get("/discovery/prometheus")
 async def prometheus_targets(session: Session) -> list[dict[str, Any]]:
     """Ready engines' metrics targets in Prometheus' http_sd format (one group per engine)."""
-    rows = await session.execute(
-        select(
-            Shard.id,
-            Shard.replica_id,
-            Shard.proxy_url,
-            Node.name,
-            Deployment.name,
-            Model.name,
-        )
-        .join(Replica, Replica.id == Shard.replica_id)
-        .join(Node, Node.id == Shard.node_id)
-        # Outer: a deleted deployment's replicas keep serving while they drain.
-        .outerjoin(Deployment, Deployment.id == Replica.deployment_id)
-        .outerjoin(Model, Model.id == Deployment.model_id)
-        .where(
-            Shard.rank == 0,
-            Shard.observed_state == "ready",
-            Shard.desired_state == "running",
-            Shard.released.is_(False),
-            Shard.proxy_url != "",
-        )
-        .order_by(Shard.id)
-    )
     groups = []
-    for shard_id, replica_id, proxy_url, node, deployment, model in rows:
+    for t in await metrics_targets(session):
         group = target_group(
-            proxy_url=proxy_url,
-            model=model or "",
-            deployment=deployment or "",
-            replica=str(replica_id),
-            shard=str(shard_id),
-            node=node,
+            proxy_url=t.proxy_url,
+            model=t.model,
+            deployment=t.deployment,
+            replica=str(t.replica_id),
+            shard=str(t.shard_id),
+            node=t.node,
         )
         if group is not None:
             groups.append(group)

@@ -4,8 +4,8 @@ The key (``llmgw_<id>_<secret>``) is in the reply that creates it and nowhere el
 SHA-256 of its secret is stored; lists, gets and the audit show its id and name, never the
 secret, its hash or its cache salt (which isolates a tenant's KV cache). Revoking (``DELETE``
 or ``POST /keys/{name}/revoke``) disables the key and keeps the row, which accounting refers
-to. Every change NOTIFYs ``KEYS_CHANNEL`` in its transaction, so every gateway's ``KeyCache``
-re-reads the keys within a second of the commit.
+to. Every change NOTIFYs ``store.keys.KEYS_CHANNEL`` in its transaction, so every gateway's
+``KeyCache`` re-reads the keys within a second of the commit.
 
 What this module must NOT do: log or return a secret, its hash or a cache salt.
 """
@@ -18,7 +18,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Response
 from pydantic import AwareDatetime, Field, StringConstraints, field_validator, model_validator
-from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.admin.common import (
@@ -30,12 +29,13 @@ from llmgw.controlplane.admin.common import (
     page,
     update,
 )
-from llmgw.controlplane.gateway.keys import KEYS_CHANNEL, new_api_key
+from llmgw.controlplane.credentials import new_api_key
 from llmgw.controlplane.schemas import LIMITS, Name, Page, _Request, _Response
+from llmgw.controlplane.store.keys import get_key, key_name_taken, list_keys, notify_keys_changed
 from llmgw.controlplane.store.tables import KEY_NAME_PATTERN, ApiKey
-from llmgw.errors import ConflictError, NotFoundError, SpecError
+from llmgw.errors import ConflictError, SpecError
 
-__all__ = ["ApiKeyCreate", "ApiKeyCreated", "ApiKeyOut", "notify_keys_changed", "router"]
+__all__ = ["ApiKeyCreate", "ApiKeyCreated", "ApiKeyOut", "router"]
 
 router = APIRouter(tags=["keys"])
 
@@ -148,37 +148,13 @@ async def _view(row: ApiKey) -> ApiKeyOut:
     return _out(row)
 
 
-async def notify_keys_changed(session: AsyncSession, key_id: str) -> None:
-    """Wake every gateway's KeyCache once this transaction commits (Postgres delivers a
-    NOTIFY on commit, and not at all on rollback)."""
-    await session.execute(
-        text("SELECT pg_notify(:channel, :payload)"), {"channel": KEYS_CHANNEL, "payload": key_id}
-    )
-
-
-async def _get_row(session: AsyncSession, name: str, *, lock: bool = False) -> ApiKey:
-    stmt = select(ApiKey).where(ApiKey.name == name)
-    if lock:
-        stmt = stmt.with_for_update()
-    row = (await session.scalars(stmt)).one_or_none()
-    if row is None:
-        raise NotFoundError(
-            f"no API key is named {name!r}; list them with GET /admin/v1/keys (`llmgw keys list`)",
-            field="name",
-        )
-    return row
-
-
 async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[ApiKeyOut]:
-    stmt = select(ApiKey).order_by(ApiKey.name).limit(limit + 1)
-    if after is not None:
-        stmt = stmt.where(ApiKey.name > after)
-    rows = (await session.scalars(stmt)).all()
+    rows = await list_keys(session, after=after, limit=limit + 1)
     return page(rows, limit, lambda k: k.name, [_out(k) for k in rows[:limit]])
 
 
 async def _get(session: AsyncSession, name: str) -> ApiKeyOut:
-    return _out(await _get_row(session, name))
+    return _out(await get_key(session, name))
 
 
 @router.post("/keys", status_code=201, response_model=ApiKeyCreated)
@@ -191,8 +167,7 @@ async def create_key(body: ApiKeyCreate, session: Session, audit: AuditOf) -> Ap
             field="expires_at",
         )
     # Checked first so the 409 names the field; the unique constraint still refuses a twin.
-    taken = await session.scalar(select(ApiKey.id).where(ApiKey.name == body.name))
-    if taken is not None:
+    if await key_name_taken(session, body.name):
         raise ConflictError(
             f"an API key named {body.name!r} exists already (revoked keys keep their names, "
             "for accounting); choose another name",
@@ -229,7 +204,7 @@ add_read_routes(router, plural="keys", out=ApiKeyOut, list_page=_list, get_one=_
 
 
 async def _revoke(session: AsyncSession, audit: Audit, name: str) -> ApiKeyOut:
-    row = await _get_row(session, name, lock=True)
+    row = await get_key(session, name, lock=True)
     out, changed = await update(
         session,
         audit,

@@ -35,7 +35,7 @@ from llmgw.controlplane.schemas import (
     ProfileUpdate,
 )
 from llmgw.controlplane.store import catalog
-from llmgw.controlplane.store.tables import Model, Profile
+from llmgw.controlplane.store.tables import Profile
 
 __all__ = ["profile_fields", "profile_out", "router", "save_profile_changes"]
 
@@ -136,9 +136,7 @@ async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[Pr
 
 
 async def _model_name(session: AsyncSession, profile: Profile) -> str:
-    model = await session.get(Model, profile.model_id)
-    assert model is not None  # FK RESTRICT: a profile's model exists
-    return model.name
+    return (await catalog.get_model_by_id(session, profile.model_id)).name
 
 
 async def _get(session: AsyncSession, name: str) -> ProfileOut:

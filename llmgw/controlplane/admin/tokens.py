@@ -17,8 +17,7 @@ from llmgw.controlplane.admin.schemas_fleet import (
     BootstrapTokenOut,
 )
 from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.store import fleet as fq
-from llmgw.controlplane.store.agents import create_bootstrap_token
+from llmgw.controlplane.store import bootstrap_tokens
 
 __all__ = ["router"]
 
@@ -26,14 +25,14 @@ router = APIRouter(tags=["bootstrap-tokens"])
 
 
 async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[BootstrapTokenOut]:
-    rows = await fq.list_tokens(session, after=after, limit=limit + 1)
+    rows = await bootstrap_tokens.list_tokens(session, after=after, limit=limit + 1)
     return page(
         rows, limit, lambda t: t.id, [BootstrapTokenOut.model_validate(t) for t in rows[:limit]]
     )
 
 
 async def _get(session: AsyncSession, token_id: str) -> BootstrapTokenOut:
-    return BootstrapTokenOut.model_validate(await fq.get_token(session, token_id))
+    return BootstrapTokenOut.model_validate(await bootstrap_tokens.get_token(session, token_id))
 
 
 @router.post("/bootstrap-tokens", status_code=201, response_model=BootstrapTokenCreated)
@@ -41,7 +40,7 @@ async def create_token(
     body: BootstrapTokenCreate, session: Session, audit: AuditOf
 ) -> BootstrapTokenCreated:
     """A new token, in this reply only: store it now (it cannot be read again)."""
-    row, plaintext = await create_bootstrap_token(
+    row, plaintext = await bootstrap_tokens.create_bootstrap_token(
         session,
         pool=body.pool,
         ttl_s=body.ttl_s,
@@ -68,7 +67,7 @@ add_read_routes(
 async def revoke_token(token_id: str, session: Session, audit: AuditOf) -> Response:
     """Revoke: no node can register with it from now on; nodes that joined stay. Revoking
     a revoked token again succeeds and writes nothing."""
-    row, was_live = await fq.revoke_token(session, token_id)
+    row, was_live = await bootstrap_tokens.revoke_token(session, token_id)
     if was_live:
         await audit.record(
             session, action="revoke", kind="bootstrap-token", name=row.id, before=None,

@@ -12,21 +12,19 @@ What this module must NOT do: write, or show anything of a key but its name and 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import Select, func, or_, select
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.store.tables import ApiKey, UsageBucket
+from llmgw.controlplane.store.usage import UsageGroup, usage_sums
 from llmgw.errors import SpecError
 
 __all__ = ["UsageOut", "UsageReply", "router"]
 
 router = APIRouter(tags=["usage"])
 
-Group = Literal["total", "day", "hour", "minute"]
 _MAX_ROWS = 10_000
 _DEFAULT_ROWS = 1000
 _BUCKET_S = 60
@@ -58,44 +56,6 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC)
 
 
-def _query(
-    group: Group, key: str | None, model: str | None, since: datetime | None, until: datetime | None
-) -> Select[*tuple[Any, ...]]:
-    b = UsageBucket
-    period = (
-        func.min(b.bucket_start).label("start")
-        if group == "total"
-        else func.date_trunc(group, b.bucket_start, "UTC").label("start")
-    )
-    cols = [
-        ApiKey.name,
-        b.api_key_id,
-        b.model,
-        func.min(b.bucket_start).label("first"),
-        func.max(b.bucket_start).label("last"),
-        func.sum(b.requests),
-        func.sum(b.prompt_tokens),
-        func.sum(b.cached_tokens),
-        func.sum(b.completion_tokens),
-    ]
-    stmt = select(*cols).join(ApiKey, ApiKey.id == b.api_key_id)
-    if key is not None:
-        stmt = stmt.where(or_(ApiKey.name == key, ApiKey.id == key))
-    if model is not None:
-        stmt = stmt.where(b.model == model)
-    if since is not None:
-        stmt = stmt.where(b.bucket_start >= since)
-    if until is not None:
-        stmt = stmt.where(b.bucket_start < until)
-    groups: list[Any] = [ApiKey.name, b.api_key_id, b.model]
-    order: list[Any] = [ApiKey.name, b.model]
-    if group != "total":
-        stmt = stmt.add_columns(period)
-        groups.append(period)
-        order.append(period.desc())
-    return stmt.group_by(*groups).order_by(*order)
-
-
 @router.get("/usage", response_model=UsageReply)
 async def read_usage(
     session: Session,
@@ -103,7 +63,9 @@ async def read_usage(
     model: Annotated[str | None, Query(max_length=256)] = None,
     since: Annotated[datetime | None, Query(description="Buckets from (UTC if no offset).")] = None,
     until: Annotated[datetime | None, Query(description="Buckets before (exclusive).")] = None,
-    group: Annotated[Group, Query(description="Sum over the range, or per UTC period.")] = "total",
+    group: Annotated[
+        UsageGroup, Query(description="Sum over the range, or per UTC period.")
+    ] = "total",
     limit: Annotated[int, Query(ge=1, le=_MAX_ROWS)] = _DEFAULT_ROWS,
 ) -> UsageReply:
     since, until = _utc(since), _utc(until)
@@ -112,23 +74,22 @@ async def read_usage(
             f"until ({until.isoformat()}) must be after since ({since.isoformat()})",
             field="until",
         )
-    rows = (await session.execute(_query(group, key, model, since, until).limit(limit + 1))).all()
-    items = []
-    for row in rows[:limit]:
-        name, key_id, model_name, first, last, requests, prompt, cached, completion = row[:9]
-        start = first if group == "total" else row[9]
-        items.append(
-            UsageOut(
-                key=name,
-                key_id=key_id,
-                model=model_name,
-                start=start,
-                end=last + timedelta(seconds=_BUCKET_S),
-                requests=int(requests),
-                prompt_tokens=int(prompt),
-                cached_tokens=int(cached),
-                completion_tokens=int(completion),
-                total_tokens=int(prompt) + int(completion),
-            )
+    rows = await usage_sums(
+        session, group=group, key=key, model=model, since=since, until=until, limit=limit + 1
+    )
+    items = [
+        UsageOut(
+            key=row.key_name,
+            key_id=row.key_id,
+            model=row.model,
+            start=row.start,
+            end=row.last_bucket + timedelta(seconds=_BUCKET_S),
+            requests=row.requests,
+            prompt_tokens=row.prompt_tokens,
+            cached_tokens=row.cached_tokens,
+            completion_tokens=row.completion_tokens,
+            total_tokens=row.prompt_tokens + row.completion_tokens,
         )
+        for row in rows[:limit]
+    ]
     return UsageReply(items=items, truncated=len(rows) > limit)

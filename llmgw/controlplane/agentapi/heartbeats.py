@@ -10,7 +10,6 @@ still holds. The statement itself skips rows whose stored order is already newer
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from datetime import datetime
@@ -18,7 +17,8 @@ from datetime import datetime
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
-from llmgw.controlplane.store.agents import Heartbeat, flush_heartbeats
+from llmgw.controlplane.store.agent_nodes import Heartbeat, flush_heartbeats
+from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
 __all__ = ["HeartbeatBatcher"]
@@ -87,11 +87,8 @@ class HeartbeatBatcher:
 
     async def stop(self) -> None:
         """Stop the timer and flush once more, so a clean shutdown loses no heartbeat."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         try:
             await self.flush()
         except Exception as exc:

@@ -24,14 +24,14 @@ commit never moves a node back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from dataclasses import replace
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.store.agents import SyncNode, read_sync_node, read_sync_nodes
+from llmgw.controlplane.store.agent_nodes import SyncNode, read_sync_node, read_sync_nodes
+from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
 __all__ = ["NodeTable"]
@@ -131,9 +131,5 @@ class NodeTable:
             await self._refresh_quietly()
 
     async def stop(self) -> None:
-        for task in (self._task, self._miss_task):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait((self._task, self._miss_task))
         self._task = self._miss_task = None

@@ -11,14 +11,14 @@ KV path come from ``NodeTable``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import Iterable, Mapping
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
-from llmgw.controlplane.store.agents import PlacedRow, read_placed
+from llmgw.controlplane.store.agent_shards import PlacedRow, read_placed
+from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
 __all__ = ["PlacedCache"]
@@ -74,11 +74,8 @@ class PlacedCache:
             await self._refresh_quietly()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 def _placed(r: PlacedRow) -> PlacedShard:

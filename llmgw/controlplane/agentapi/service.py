@@ -10,7 +10,6 @@ placed-shard map the KV path reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +19,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.kv_endpoint import KvHandler
@@ -30,8 +28,11 @@ from llmgw.controlplane.agentapi.nodes import NodeTable
 from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.agentapi.register import RegisterHandler
 from llmgw.controlplane.agentapi.sync import SyncHandler
-from llmgw.controlplane.instances import InstanceHeartbeat, InstanceIdentity
-from llmgw.controlplane.store.agents import read_cluster_id
+from llmgw.controlplane.credentials import NodeCredential, hash_matches
+from llmgw.controlplane.instances import InstanceHeartbeat
+from llmgw.controlplane.store.agent_nodes import read_cluster_id
+from llmgw.controlplane.store.instances import InstanceIdentity
+from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
 __all__ = ["AgentApi"]
@@ -132,11 +133,8 @@ class AgentApi:
         )
 
     async def stop(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retry
-            self._retry = None
+        await cancel_and_wait(self._retry)
+        self._retry = None
         self._sync = self._register = None
         await self.heartbeats.stop()
         await self.placed.stop()

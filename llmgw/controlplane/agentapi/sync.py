@@ -47,24 +47,26 @@ from datetime import UTC, datetime
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.nodes import NodeTable
 from llmgw.controlplane.agentapi.placed import PlacedCache
+from llmgw.controlplane.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.instances import InstanceHeartbeat
-from llmgw.controlplane.store.agents import (
+from llmgw.controlplane.store.agent_nodes import (
+    SyncNode,
+    bump_desired_version,
+    read_sync_node,
+    record_sync_order,
+)
+from llmgw.controlplane.store.agent_shards import (
     GONE_STATES,
     DesiredShardRow,
     PlacedRow,
-    SyncNode,
     apply_bindings,
-    bump_desired_version,
     read_desired_shards,
     read_live_shard_ids,
-    read_sync_node,
-    record_sync_order,
     release_stopped_shards,
     stopped_shards_gone,
 )
@@ -137,7 +139,7 @@ def desired_shard(row: DesiredShardRow) -> DesiredShard:
 
 
 def placed_row(node_id: uuid.UUID, row: DesiredShardRow) -> PlacedRow:
-    """The KV intake's view of a desired shard (see ``agent_queries.read_placed``)."""
+    """The KV intake's view of a desired shard (see ``store.agent_shards.read_placed``)."""
     profile = row.launch_spec.get("profile")
     block_size: int | None = None
     if isinstance(profile, dict) and profile.get("kv_events") is True:

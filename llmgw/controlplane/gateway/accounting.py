@@ -5,13 +5,13 @@ recorded to ``usage_buckets`` every ``flush_interval_s`` (or sooner, once ``flus
 records are waiting), one transaction per flush, so the request path never waits on
 Postgres and Postgres sees one statement per second per gateway, not one per request.
 
-Idempotent flushes. Each flush has a sequence number, and its transaction inserts
-``usage_flushes (process_id, flush_seq)`` before adding to the buckets. A flush whose commit
-reply was lost (the connection dropped after COMMIT) is retried with the same number and
-the same rows, finds its row and adds nothing: counted once. While a flush's outcome is
-unknown, new records go to the next batch, never into it. A process keeps only its latest
-``usage_flushes`` row (it never retries an older number), so that table stays one row per
-process.
+Idempotent flushes. Each flush has a sequence number, and its transaction
+(``store.usage.apply_flush``) inserts ``usage_flushes (process_id, flush_seq)`` before adding
+to the buckets. A flush whose commit reply was lost (the connection dropped after COMMIT) is
+retried with the same number and the same rows, finds its row and adds nothing: counted once.
+While a flush's outcome is unknown, new records go to the next batch, never into it. A process
+keeps only its latest ``usage_flushes`` row (it never retries an older number), so that table
+stays one row per process.
 
 Postgres down. Records keep accumulating in memory and the flush is retried with a growing
 pause (at most ``_BACKOFF_MAX_S``). Memory is bounded: at most ``max_pending_buckets``
@@ -52,31 +52,23 @@ flush silently.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
 import uuid
 from calendar import monthrange
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.eventloop import wait_event
+from llmgw.controlplane.store.usage import UsageRow, apply_flush, quota_totals
+from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
 
-__all__ = [
-    "QuotaPeriod",
-    "UsageRecorder",
-    "UsageRow",
-    "apply_flush",
-    "new_process_id",
-    "period_bounds",
-]
+__all__ = ["QuotaPeriod", "UsageRecorder", "new_process_id", "period_bounds"]
 
 log = get_logger("llmgw.controlplane.gateway.accounting")
 
@@ -108,117 +100,7 @@ def period_bounds(now_s: float, period: str) -> tuple[float, float]:
     raise ValueError(f"quota period {period!r} is not one of day, month")
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRow:
-    """One bucket's increments, as a flush adds them."""
-
-    api_key_id: str
-    model: str
-    minute_s: int  # epoch seconds, a multiple of 60
-    requests: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
 _Bucket = tuple[str, str, int]  # (key id, model, minute)
-
-_CLAIM = text(
-    "INSERT INTO usage_flushes (process_id, flush_seq) VALUES (:process_id, :seq) "
-    "ON CONFLICT DO NOTHING RETURNING flush_seq"
-)
-_FORGET_OLDER = text(
-    "DELETE FROM usage_flushes WHERE process_id = :process_id AND flush_seq < :seq"
-)
-# Rows are sorted by the conflict key, so gateways flushing the same buckets lock them in one
-# order and never deadlock. Rows for keys that do not exist are skipped (joined away) rather
-# than failing the whole flush forever on the foreign key.
-_ADD = text(
-    """
-    INSERT INTO usage_buckets AS b
-        (api_key_id, model, bucket_start, requests, prompt_tokens, completion_tokens,
-         cached_tokens)
-    SELECT u.api_key_id, u.model, u.bucket_start, u.requests, u.prompt_tokens,
-           u.completion_tokens, u.cached_tokens
-    FROM unnest(CAST(:keys AS text[]), CAST(:models AS text[]),
-                CAST(:starts AS timestamptz[]), CAST(:requests AS bigint[]),
-                CAST(:prompt AS bigint[]), CAST(:completion AS bigint[]),
-                CAST(:cached AS bigint[]))
-         AS u(api_key_id, model, bucket_start, requests, prompt_tokens, completion_tokens,
-              cached_tokens)
-    JOIN api_keys k ON k.id = u.api_key_id
-    ORDER BY u.api_key_id, u.model, u.bucket_start
-    ON CONFLICT (api_key_id, model, bucket_start) DO UPDATE SET
-        requests = b.requests + EXCLUDED.requests,
-        prompt_tokens = b.prompt_tokens + EXCLUDED.prompt_tokens,
-        completion_tokens = b.completion_tokens + EXCLUDED.completion_tokens,
-        cached_tokens = b.cached_tokens + EXCLUDED.cached_tokens
-    """
-)
-_TOUCH_KEYS = text(
-    """
-    UPDATE api_keys AS k SET last_used_at = greatest(k.last_used_at, u.at)
-    FROM unnest(CAST(:ids AS text[]), CAST(:ats AS timestamptz[])) AS u(id, at)
-    WHERE k.id = u.id
-    """
-)
-_QUOTA_TOTALS = text(
-    """
-    SELECT b.api_key_id,
-           coalesce(sum(b.prompt_tokens + b.completion_tokens), 0) AS month_tokens,
-           coalesce(sum(b.prompt_tokens + b.completion_tokens)
-                    FILTER (WHERE b.bucket_start >= :day_start), 0) AS day_tokens
-    FROM usage_buckets b JOIN api_keys k ON k.id = b.api_key_id
-    WHERE k.token_quota IS NOT NULL AND b.bucket_start >= :month_start
-    GROUP BY b.api_key_id
-    """
-)
-
-
-def _ts(epoch_s: float) -> datetime:
-    return datetime.fromtimestamp(epoch_s, UTC)
-
-
-async def apply_flush(
-    session: AsyncSession,
-    *,
-    process_id: str,
-    seq: int,
-    rows: Iterable[UsageRow],
-    last_used: Mapping[str, float] | None = None,
-) -> bool:
-    """Add ``rows`` to the buckets unless flush ``seq`` of ``process_id`` was applied before;
-    ``last_used`` (key id -> epoch seconds) moves keys' ``last_used_at`` forward.
-
-    True: applied now; False: already applied (a retry after a lost commit reply). Runs in
-    the caller's transaction, which must commit for either to count.
-    """
-    claimed = (await session.execute(_CLAIM, {"process_id": process_id, "seq": seq})).first()
-    if claimed is None:
-        return False
-    await session.execute(_FORGET_OLDER, {"process_id": process_id, "seq": seq})
-    ordered = sorted(rows, key=lambda r: (r.api_key_id, r.model, r.minute_s))
-    if ordered:
-        await session.execute(
-            _ADD,
-            {
-                "keys": [r.api_key_id for r in ordered],
-                "models": [r.model for r in ordered],
-                "starts": [_ts(r.minute_s) for r in ordered],
-                "requests": [r.requests for r in ordered],
-                "prompt": [r.prompt_tokens for r in ordered],
-                "completion": [r.completion_tokens for r in ordered],
-                "cached": [r.cached_tokens for r in ordered],
-            },
-        )
-    if last_used:
-        ids = sorted(last_used)  # one lock order for every gateway
-        await session.execute(_TOUCH_KEYS, {"ids": ids, "ats": [_ts(last_used[i]) for i in ids]})
-    return True
 
 
 @dataclass(slots=True)
@@ -367,10 +249,7 @@ class UsageRecorder:
     async def stop(self) -> None:
         """Stop the background task and flush what is left, retrying for a bounded time."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         deadline = time.monotonic() + self._stop_timeout_s
         delay = _BACKOFF_BASE_S
         while self.num_pending_buckets:
@@ -400,16 +279,11 @@ class UsageRecorder:
         month_start = period_bounds(now, "month")[0]
         async with self._db_lock:
             async with self._sessions() as session:
-                rows = (
-                    await session.execute(
-                        _QUOTA_TOTALS,
-                        {"day_start": _ts(day_start), "month_start": _ts(month_start)},
-                    )
-                ).all()
+                rows = await quota_totals(session, day_start=day_start, month_start=month_start)
             totals: dict[tuple[str, str, float], int] = {}
             for key_id, month_tokens, day_tokens in rows:
-                totals[(key_id, "month", month_start)] = int(month_tokens)
-                totals[(key_id, "day", day_start)] = int(day_tokens)
+                totals[(key_id, "month", month_start)] = month_tokens
+                totals[(key_id, "day", day_start)] = day_tokens
             self._totals = totals
         self._last_totals_read = time.monotonic()
         self.totals_loaded = True

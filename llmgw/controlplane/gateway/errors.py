@@ -32,6 +32,7 @@ __all__ = [
     "GatewayError",
     "bad_request",
     "body_too_large",
+    "internal_error",
     "method_not_allowed",
     "openai_error_body",
     "sse_error_event",
@@ -47,6 +48,13 @@ def openai_error_body(
         "error": {"message": printable(message), "type": type_, "param": param, "code": code}
     }
     return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def internal_error(request_id: str) -> bytes:
+    """The 500 body ``RequestLog`` sends for an unhandled error, in OpenAI's shape."""
+    return openai_error_body(
+        f"internal error; report request id {request_id}", type_="server_error", code=None
+    )
 
 
 def sse_error_event(message: str, *, type_: str, code: str | None) -> bytes:
@@ -140,7 +148,7 @@ class GatewayError(Exception):
         )
 
 
-# --- additions for the request path (issue #11); the names above are unchanged -------------
+# --- a request's body, path or method, and the upstream ----------------------------------
 
 
 def bad_request(

@@ -1,9 +1,7 @@
-"""API keys on the gateway's request path: their format, and the in-memory cache that checks them.
+"""API keys on the gateway's request path: the in-memory cache that checks them.
 
-A key is ``llmgw_<id>_<secret>``: the id (lowercase hex) finds the row, the secret
-(256 random bits, base64url) is checked against the SHA-256 stored for it, in constant time.
-A fast hash is right: the secrets are high-entropy, so there is nothing to brute-force, and
-every request is checked.
+A key (``llmgw_<id>_<secret>``, llmgw.controlplane.credentials) is found by its id and its
+secret checked against the SHA-256 stored for it, in constant time.
 
 ``KeyCache`` holds every live key in memory, so authenticating is a dict lookup and one hash,
 never a query. It is refreshed
@@ -26,45 +24,26 @@ What this module must NOT do: log, store in an exception or put in a repr any ke
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-import psycopg
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.credentials import secret_sha256
+from llmgw.controlplane.credentials import parse_api_key, secret_sha256
 from llmgw.controlplane.gateway.errors import GatewayError
+from llmgw.controlplane.store.keys import KEYS_CHANNEL, live_keys
+from llmgw.controlplane.store.listen import Listener, ListenLog
 from llmgw.controlplane.store.tables import ApiKey
-from llmgw.eventloop import wait_event
+from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
 
-__all__ = [
-    "KEYS_CHANNEL",
-    "KEY_PREFIX",
-    "KeyCache",
-    "KeyContext",
-    "NewApiKey",
-    "new_api_key",
-    "parse_api_key",
-]
+__all__ = ["KeyCache", "KeyContext"]
 
 log = get_logger("llmgw.controlplane.gateway.keys")
 
-KEY_PREFIX = "llmgw"
-# The admin API NOTIFYs this channel (payload: the key's id) on every change to a key.
-KEYS_CHANNEL = "llmgw_api_keys_changed"
-_ID_BYTES = 8
-_SECRET_BYTES = 32
-# token_urlsafe(32) is 43 characters; anything much longer is not ours and is not hashed.
-_MAX_SECRET_CHARS = 128
-_MAX_ID_CHARS = 32
 # Compared against when the id is unknown, so an unknown id costs what a known one does.
 _NO_HASH = bytes(32)
 _BACKOFF_BASE_S = 0.25
@@ -97,44 +76,6 @@ class KeyContext:
 
     def __repr__(self) -> str:  # the salt isolates tenants: keep it out of logs
         return f"KeyContext(key_id={self.key_id!r}, name={self.name!r})"
-
-
-@dataclass(frozen=True, slots=True)
-class NewApiKey:
-    id: str
-    secret: str
-
-    @property
-    def plaintext(self) -> str:
-        return f"{KEY_PREFIX}_{self.id}_{self.secret}"
-
-    @property
-    def secret_sha256(self) -> bytes:
-        return secret_sha256(self.secret)
-
-    def __repr__(self) -> str:  # the secret must never reach a log line
-        return f"NewApiKey(id={self.id!r})"
-
-
-def new_api_key() -> NewApiKey:
-    return NewApiKey(id=secrets.token_hex(_ID_BYTES), secret=secrets.token_urlsafe(_SECRET_BYTES))
-
-
-def parse_api_key(authorization: str | None) -> tuple[str, str] | None:
-    """(id, secret) of an ``Authorization: Bearer llmgw_<id>_<secret>`` header, or None."""
-    scheme, _, value = (authorization or "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    head, sep, rest = value.strip().partition("_")
-    if head != KEY_PREFIX or not sep:
-        return None
-    # The secret is base64url and may itself contain "_": split off the prefix and id only.
-    key_id, sep, secret = rest.partition("_")
-    if not key_id or not sep or not secret:
-        return None
-    if len(key_id) > _MAX_ID_CHARS or len(secret) > _MAX_SECRET_CHARS:
-        return None
-    return key_id, secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,17 +121,27 @@ class KeyCache:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._sessions = sessions
-        self._libpq_url = libpq_url
         self._refresh_interval_s = refresh_interval_s
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._loaded = False
         self._wake = asyncio.Event()
+        # Every reconnect wakes the refresher too: what changed while nobody listened is
+        # read now.
+        self._listener = Listener(
+            libpq_url,
+            [KEYS_CHANNEL],
+            application_name="llmgw-gateway-keys",
+            on_notify=self._wake.set,
+            on_listening=self._wake.set,
+            backoff_base_s=_BACKOFF_BASE_S,
+            backoff_max_s=_BACKOFF_MAX_S,
+            log=ListenLog(log, lost="api_keys_listen_lost", restored="api_keys_listen_restored"),
+        )
         self._tasks: list[asyncio.Task[None]] = []
         # Rises on every successful load; tests and metrics wait on it.
         self.generation = 0
         self.last_loaded_at: float | None = None
-        self.listening = False
 
     @property
     def loaded(self) -> bool:
@@ -199,6 +150,11 @@ class KeyCache:
     @property
     def num_keys(self) -> int:
         return len(self._entries)
+
+    @property
+    def listening(self) -> bool:
+        """Whether the LISTEN connection is up: a change committed from now on is seen."""
+        return self._listener.listening.is_set()
 
     async def start(self) -> None:
         """Load the keys once (a failure is logged, not raised: the refresher retries), then
@@ -211,22 +167,18 @@ class KeyCache:
             log.warning("api_keys_load_failed", error=type(exc).__name__)
         self._tasks = [
             asyncio.create_task(self._refresher(), name="llmgw-keys-refresh"),
-            asyncio.create_task(self._listen(), name="llmgw-keys-listen"),
+            asyncio.create_task(self._listener.run(), name="llmgw-keys-listen"),
         ]
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(tasks)
 
     async def refresh(self) -> None:
         """Re-read every live key and swap the whole map in one step; raises on failure and
         then keeps the old map."""
         async with self._sessions() as session:
-            rows = (await session.scalars(select(ApiKey).where(ApiKey.disabled.is_(False)))).all()
+            rows = await live_keys(session)
         entries = {row.id: _entry(row) for row in rows}
         removed = len(self._entries.keys() - entries.keys())
         self._entries = entries
@@ -286,31 +238,3 @@ class KeyCache:
             if failures:
                 log.info("api_keys_refresh_restored", keys=self.num_keys)
             failures = 0
-
-    async def _listen(self) -> None:
-        failures = 0
-        while True:
-            try:
-                conn: psycopg.AsyncConnection[Any] = await psycopg.AsyncConnection.connect(
-                    self._libpq_url,
-                    autocommit=True,
-                    connect_timeout=5,
-                    application_name="llmgw-gateway-keys",
-                )
-                async with conn:
-                    await conn.execute(f"LISTEN {KEYS_CHANNEL}")
-                    self.listening = True
-                    if failures:
-                        log.info("api_keys_listen_restored")
-                    failures = 0
-                    # What changed while nobody listened is read now.
-                    self._wake.set()
-                    async for _note in conn.notifies():
-                        self._wake.set()
-            except psycopg.Error as exc:
-                failures += 1
-                if failures == 1:
-                    log.warning("api_keys_listen_lost", error=type(exc).__name__)
-            finally:
-                self.listening = False
-            await asyncio.sleep(min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures))

@@ -31,7 +31,7 @@ from llmgw.controlplane.gateway.accounting import UsageRecorder, period_bounds
 from llmgw.controlplane.gateway.errors import GatewayError
 from llmgw.controlplane.gateway.keys import KeyContext
 
-__all__ = ["Admission", "Limiter"]
+__all__ = ["AdmittedRequest", "Limiter"]
 
 _MINUTE_S = 60.0
 # A refused concurrency slot frees when some request ends; clients should come back soon.
@@ -84,7 +84,7 @@ class Limiter:
         state = self._keys.get(key_id)
         return 0 if state is None else state.reserved
 
-    def admit(self, key: KeyContext, model: str, reserve_tokens: int) -> Admission:
+    def admit(self, key: KeyContext, model: str, reserve_tokens: int) -> AdmittedRequest:
         """Admit one request that may use up to ``reserve_tokens`` (prompt + completion);
         raises ``GatewayError`` (429) naming the limit it would break."""
         if reserve_tokens < 0:
@@ -141,11 +141,11 @@ class Limiter:
             rpm.level -= 1.0
         if tpm is not None:
             tpm.level -= reserve_tokens
-        return Admission(self, key, model, reserve_tokens)
+        return AdmittedRequest(self, key, model, reserve_tokens)
 
-    # --- called by Admission --------------------------------------------------
+    # --- called by AdmittedRequest -------------------------------------------
 
-    def _settle(self, adm: Admission, used: int, *, holds_reservation: bool) -> None:
+    def _settle(self, adm: AdmittedRequest, used: int, *, holds_reservation: bool) -> None:
         state = self._keys[adm.key.key_id]
         reserved = adm.reserve_tokens if holds_reservation else 0
         if holds_reservation:
@@ -156,7 +156,7 @@ class Limiter:
             state.tpm.refill(adm.key.tpm, self._clock())
             state.tpm.level = min(float(adm.key.tpm), state.tpm.level + reserved - used)
 
-    def _release(self, adm: Admission, *, holds_reservation: bool) -> None:
+    def _release(self, adm: AdmittedRequest, *, holds_reservation: bool) -> None:
         state = self._keys[adm.key.key_id]
         state.in_flight -= 1
         if holds_reservation:
@@ -168,7 +168,7 @@ def _bucket(bucket: _TokenBucket | None, capacity: int, now: float) -> _TokenBuc
     return bucket if bucket is not None else _TokenBucket(level=float(capacity), updated=now)
 
 
-class Admission:
+class AdmittedRequest:
     """One admitted request: ``settle`` it with its usage when it ends (a client that went
     away mid-stream is settled with what was streamed), and ``release`` it in a ``finally``
     (or use it as a context manager). Both are idempotent."""
@@ -208,7 +208,7 @@ class Admission:
         self._released = True
         self._limiter._release(self, holds_reservation=not self._settled)
 
-    def __enter__(self) -> Admission:
+    def __enter__(self) -> AdmittedRequest:
         return self
 
     def __exit__(self, *_exc: object) -> None:

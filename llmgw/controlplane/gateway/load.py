@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from llmgw.controlplane.gateway.pool import read_capped
 from llmgw.controlplane.gateway.routes import Endpoint
-from llmgw.controlplane.gateway.upstream import read_capped
+from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
 __all__ = ["LoadTracker", "RetryBudget", "parse_engine_load", "parse_max_model_len"]
@@ -232,11 +233,8 @@ class LoadTracker:
         self._task = asyncio.create_task(run(), name="gateway-load-scrape")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 class RetryBudget:

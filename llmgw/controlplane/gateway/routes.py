@@ -1,12 +1,12 @@
 """The gateway's route table: which replicas serve which model name, cached in memory.
 
-One statement reads every live rank-0 shard with its replica's state and its launch spec's
-profile, another every deployment's names; ``build_table`` (pure) turns the rows into a name ->
-``ModelRoute`` map: the served model name and every LoRA adapter name (adapters route to
-replicas of the base model that load them; models and adapters share one namespace, and a name
-claimed by both routes as the model).
-A replica is *ready* when it is active (not draining or stopping), its shard is desired
-running, its agent reports the shard ready and gives a proxy URL. Names of deployments whose
+Two statements (``store.routes``) read every live rank-0 shard with its replica's state and
+its launch spec's profile, and every deployment's names; ``build_table`` (pure) turns the rows
+into a name -> ``ModelRoute`` map: the served model name and every LoRA adapter name (adapters
+route to replicas of the base model that load them; models and adapters share one namespace,
+and a name claimed by both routes as the model).
+A replica is *ready* (the statement decides) when it is active (not draining or stopping), its
+shard is desired running, its agent reports the shard ready and gives a proxy URL. Names of deployments whose
 replicas are all unready (or that have none: scaled to zero, all replaced in a rollout) stay in
 the table, so a client gets 503 (retry) instead of 404 (wrong name).
 
@@ -21,23 +21,23 @@ What it must NOT do: hand the engine keys to anything but the upstream client (t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.gateway.router import HashParams
 from llmgw.controlplane.store.catalog import CHANGE_CHANNEL, ROUTES_CHANNEL
-from llmgw.eventloop import wait_event
+from llmgw.controlplane.store.listen import Listener
+from llmgw.controlplane.store.routes import DeclaredRow, RouteRow, read_declared, read_routes
+from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger
 
 __all__ = [
+    # The rows build_table takes, read by store.routes.
     "DeclaredRow",
     "Endpoint",
     "ModelRoute",
@@ -45,13 +45,12 @@ __all__ = [
     "RouteRow",
     "RouteTable",
     "build_table",
-    "read_declared",
-    "read_routes",
 ]
 
 log = get_logger("llmgw.controlplane.gateway")
 
-_BACKOFF_MAX_S = 5.0
+_LISTEN_BACKOFF_BASE_S = 0.1
+_LISTEN_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +85,6 @@ class RouteTable:
         return self.routes.get(name)
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRow:
-    shard: str
-    replica: str
-    proxy_url: str
-    api_key: str = field(repr=False)
-    ready: bool
-    index_model: str
-    profile: Mapping[str, Any]
-    incarnation: str = ""
-
-
 def _hash_params(profile: Mapping[str, Any]) -> HashParams | None:
     if not profile.get("kv_events"):
         return None
@@ -125,19 +112,10 @@ def served_name(profile: Mapping[str, Any], index_model: str) -> str:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class DeclaredRow:
-    """A deployment's names, whatever its replicas do: a model scaled to zero, or between
-    replicas in a rollout, is still a model (503, retry), never an unknown one (404)."""
-
-    name: str
-    adapters: tuple[tuple[str, str], ...] = ()
-
-
 def build_table(
     rows: Iterable[RouteRow], *, read_at: float, declared: Iterable[DeclaredRow] = ()
 ) -> RouteTable:
-    """Pure: the rows of ``read_routes`` (and ``read_declared``) -> the table."""
+    """Pure: the rows of ``store.routes.read_routes`` (and ``read_declared``) -> the table."""
     models: dict[str, list[Endpoint]] = {}
     adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
     for d in declared:
@@ -184,60 +162,6 @@ def build_table(
     return RouteTable(routes, read_at)
 
 
-_READ = text(
-    "SELECT s.id::text AS shard, s.replica_id::text AS replica, s.proxy_url, s.engine_api_key, "
-    "(s.observed_state = 'ready' AND s.desired_state = 'running' AND r.state = 'active' "
-    "AND s.proxy_url <> '') AS ready, "
-    "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS index_model, "
-    "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile, "
-    "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation "
-    "FROM shards s JOIN replicas r ON r.id = s.replica_id "
-    "LEFT JOIN deployments d ON d.id = r.deployment_id "
-    "LEFT JOIN models m ON m.id = d.model_id "
-    "WHERE NOT s.released AND s.rank = 0 AND r.state <> 'stopping'"
-)
-
-
-_DECLARED = text(
-    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters "
-    "FROM deployments d JOIN models m ON m.id = d.model_id "
-    "JOIN profiles p ON p.id = d.profile_id"
-)
-
-
-async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
-    """Every deployment's served name and adapters, in one statement."""
-    result = await session.execute(_DECLARED)
-    out = []
-    for r in result:
-        raw = r.adapters if isinstance(r.adapters, list) else []
-        loras = tuple(
-            (str(a["name"]), str(a.get("path", "")))
-            for a in raw
-            if isinstance(a, dict) and a.get("name")
-        )
-        out.append(DeclaredRow(str(r.name), loras))
-    return out
-
-
-async def read_routes(session: AsyncSession) -> list[RouteRow]:
-    """Every live rank-0 shard with what routing needs, in one statement."""
-    result = await session.execute(_READ)
-    return [
-        RouteRow(
-            shard=r.shard,
-            replica=r.replica,
-            proxy_url=r.proxy_url or "",
-            api_key=r.engine_api_key or "",
-            ready=bool(r.ready),
-            index_model=r.index_model or "",
-            profile=r.profile if isinstance(r.profile, dict) else {},
-            incarnation=r.incarnation or "",
-        )
-        for r in result
-    ]
-
-
 class RouteCache:
     """The table, re-read on NOTIFY (and every ``refresh_s``, a safety net); the last good one
     while Postgres is down."""
@@ -250,15 +174,30 @@ class RouteCache:
         refresh_s: float,
     ) -> None:
         self._sessions = sessions
-        self._libpq_url = libpq_url
         self.refresh_s = refresh_s
         self.table = RouteTable({}, 0.0)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._failing = False
         self.changed = asyncio.Event()  # set after every successful refresh (tests wait on it)
+        # Admin changes (names, adapters) and route changes (replicas' states); every reconnect
+        # re-reads at once what changed while no one listened, not a period later.
+        self._listener = (
+            None
+            if not libpq_url
+            else Listener(
+                libpq_url,
+                [CHANGE_CHANNEL, ROUTES_CHANNEL],
+                application_name="llmgw-gateway-routes",
+                on_notify=self._wake.set,
+                on_listening=self._wake.set,
+                backoff_base_s=_LISTEN_BACKOFF_BASE_S,
+                backoff_max_s=_LISTEN_BACKOFF_MAX_S,
+            )
+        )
         # Set while the LISTEN connection is up: NOTIFYs sent from then on reach this cache.
-        self.listening = asyncio.Event()
+        # Without a listener, never.
+        self.listening = asyncio.Event() if self._listener is None else self._listener.listening
 
     async def refresh(self) -> None:
         async with self._sessions() as session, session.begin():
@@ -281,42 +220,17 @@ class RouteCache:
     async def start(self) -> None:
         await self._refresh_quietly()
         self._tasks.append(asyncio.create_task(self._run(), name="gateway-routes"))
-        if self._libpq_url:
-            self._tasks.append(asyncio.create_task(self._listen(), name="gateway-routes-listen"))
+        if self._listener is not None:
+            self._tasks.append(
+                asyncio.create_task(self._listener.run(), name="gateway-routes-listen")
+            )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        tasks, self._tasks = self._tasks, []
+        await cancel_and_wait(tasks)
 
     async def _run(self) -> None:
         while True:
             await wait_event(self._wake, self.refresh_s)
             self._wake.clear()
             await self._refresh_quietly()
-
-    async def _listen(self) -> None:
-        assert self._libpq_url is not None
-        failures = 0
-        while True:
-            try:
-                conn = await psycopg.AsyncConnection.connect(
-                    self._libpq_url, autocommit=True, application_name="llmgw-gateway-routes"
-                )
-                async with conn:
-                    # Admin changes (names, adapters) and route changes (replicas' states).
-                    await conn.execute(f"LISTEN {CHANGE_CHANNEL}")
-                    await conn.execute(f"LISTEN {ROUTES_CHANNEL}")
-                    failures = 0
-                    self.listening.set()
-                    # What changed while no one listened is read now, not a period later.
-                    self._wake.set()
-                    async for _note in conn.notifies():
-                        self._wake.set()
-            except psycopg.Error:
-                self.listening.clear()
-                failures += 1
-                await asyncio.sleep(min(_BACKOFF_MAX_S, 0.1 * 2**failures))

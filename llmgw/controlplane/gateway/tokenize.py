@@ -20,8 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from llmgw.controlplane.gateway.pool import read_capped
 from llmgw.controlplane.gateway.routes import Endpoint
-from llmgw.controlplane.gateway.upstream import read_capped
 
 __all__ = ["Tokenizer", "tokenize_payload"]
 

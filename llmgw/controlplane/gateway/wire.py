@@ -1,6 +1,7 @@
 """The wire side of the gateway's request path, pure of routing: reading what a request asks
-(prompt text for routing, tokens to reserve), settling what an answer used, and passing an
-engine's server-sent events through while counting them and capturing their usage.
+(prompt text for routing, tokens to reserve, whether the client wants a stream's usage),
+settling what an answer used, and passing an engine's server-sent events through while
+counting them and capturing their usage.
 
 What it must NOT do: buffer a stream (``filter_events`` sees only the events of one read from
 the engine and returns them at once), or trust numbers it did not check (usage fields that are
@@ -18,16 +19,15 @@ from typing import Any, Protocol
 from starlette.types import Receive, Scope, Send
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.gateway.errors import bad_request, openai_error_body
+from llmgw.controlplane.gateway.errors import bad_request
 
 __all__ = [
-    "Admission",
-    "ClientGone",
     "Prompt",
+    "Settleable",
     "StreamState",
+    "ask_for_usage",
     "filter_events",
     "header",
-    "internal_error",
     "prompt_of",
     "reserve_tokens",
     "send_json",
@@ -40,8 +40,9 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) legacy completions
 _JSON = (b"content-type", b"application/json")
 
 
-class Admission(Protocol):
-    """What the gateway does with K2's ``limits.Admission``."""
+class Settleable(Protocol):
+    """What the request path does with an admitted request (``limits.AdmittedRequest``):
+    settle it with what the answer used, release it when the request ends."""
 
     def settle(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None: ...
     def release(self) -> None: ...
@@ -109,10 +110,6 @@ def filter_events(
     return b"".join(e + b"\n\n" for e in kept)
 
 
-class ClientGone(Exception):
-    """The client disconnected before the request was read."""
-
-
 async def wait_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -149,7 +146,7 @@ def usage_of(raw: bytes) -> Mapping[str, Any] | None:
 
 
 def settle(
-    admission: Admission,
+    admission: Settleable,
     usage: Mapping[str, Any] | None,
     *,
     completion_fallback: int,
@@ -200,6 +197,18 @@ def reserve_tokens(
     n = body.get("n")
     copies = n if type(n) is int and n > 0 else 1
     return int(wanted) * copies
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make a streamed request ask the engine for its usage (``stream_options.include_usage``:
+    the gateway settles from it); whether the client asked for it too (else the relay drops
+    the usage chunk)."""
+    opts = body.get("stream_options")
+    opts = dict(opts) if isinstance(opts, dict) else {}
+    client_usage = bool(opts.get("include_usage"))
+    opts["include_usage"] = True
+    body["stream_options"] = opts
+    return client_usage
 
 
 def prompt_of(body: Mapping[str, Any], *, chat: bool) -> Prompt:
@@ -260,10 +269,3 @@ async def send_json(
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-def internal_error(request_id: str) -> bytes:
-    """The 500 body ``RequestLog`` sends for an unhandled error, in OpenAI's shape."""
-    return openai_error_body(
-        f"internal error; report request id {request_id}", type_="server_error", code=None
-    )

@@ -1,10 +1,12 @@
 """Request bodies: JSON only where an API expects JSON, and never more than a cap.
 
-The body is read here, chunk by chunk as the server hands it over, and
-refused with 413 as soon as the total passes the cap (at once when the
-declared ``Content-Length`` already does), so the most a request can make
-this process hold is the cap, whatever it sends. The app behind then gets the
-body replayed in one message. A body sent as something other than JSON is
+The body is read here with llmgw.bodies' capped reader, chunk by chunk as the
+server hands it over, and refused with 413 as soon as the total passes the cap
+(at once when the declared ``Content-Length`` already does), so the most a
+request can make this process hold is the cap, whatever it sends. The app
+behind then gets the body replayed in one message. A ``Content-Length`` that
+is not a number never gets this far: uvicorn (httptools and h11 alike) answers
+it 400 itself. A body sent as something other than JSON is
 refused with 415 naming the header to send, instead of a validation error
 about "a valid dictionary".
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmgw.bodies import BodyTooLarge, ClientGone, declared_length, read_asgi
 from llmgw.controlplane.http.errors import error_response
 
 __all__ = ["BodyGuard", "is_json_media_type"]
@@ -75,25 +78,17 @@ class BodyGuard:
                 f"(got Content-Type: {shown[:100]})",
             )(scope, receive, send)
             return
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
+        try:
+            body = await read_asgi(
+                receive,
+                self.max_body_bytes,
+                declared_length(headers.get("content-length")),
+            )
+        except ClientGone:
+            return  # the client left: nothing to answer
+        except BodyTooLarge:
             await self._too_large(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: nothing to answer
-                return
-            chunk: bytes = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_body_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
         replayed = False
 
         async def replay() -> Message:

@@ -1,9 +1,10 @@
 """What the planner sees: desired and observed state as frozen values.
 
-The shell (loop.py, later) turns ORM rows into these in a constant number of
-queries; the pure planner and placement read nothing else. This module must
-NOT import sqlalchemy, open anything or read the environment: a snapshot is a
-value, so a test can build one by hand and a bug can be replayed from a dump.
+The store (``store/reconcile/read.py``) turns rows into these in a constant
+number of queries, by the rules of ``intake.py``; the pure planner and
+placement read nothing else. This module must NOT import sqlalchemy, open
+anything or read the environment: a snapshot is a value, so a test can build
+one by hand and a bug can be replayed from a dump.
 
 Who writes what (design §3): deployments, profiles and the admin half of a
 node (cordon, pool, approval) come from operators; inventory, last sync and
@@ -103,7 +104,9 @@ class NodeView:
     cordoned: bool = False
     # An admin asked to move everything off: implies cordoned for placement.
     draining: bool = False
-    # None: the agent never synced; placement and liveness treat it as not syncing.
+    # The node's evidence of life (intake.evidence_of_life: its last sync, or when the
+    # leader began watching if later). None: the agent never synced; placement and
+    # liveness treat it as not syncing.
     last_sync_at: datetime | None = None
     gpus: tuple[GPU, ...] = ()
     fabrics: tuple[Fabric, ...] = ()

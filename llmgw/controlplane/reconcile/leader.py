@@ -2,9 +2,9 @@
 
 Any number of control planes run against one Postgres; exactly one applies plans.
 The advisory lock decides who leads. It is held on a DEDICATED connection with TCP
-keepalives, never one borrowed from the pool: the pool recycles and pre-pings its
-connections, and a recycled connection silently drops a session-level advisory lock,
-so two processes would both believe they lead.
+keepalives (``store.listen.connect_dedicated``), never one borrowed from the pool: the
+pool recycles and pre-pings its connections, and a recycled connection silently drops a
+session-level advisory lock, so two processes would both believe they lead.
 
 The lock alone is not enough. A leader paused (GC, SIGSTOP, a partitioned network)
 can lose its lock while it still holds a plan computed from old state; when it wakes,
@@ -29,6 +29,7 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from llmgw.controlplane.store.listen import connect_dedicated
 from llmgw.errors import ConflictError
 from llmgw.logs import get_logger
 
@@ -39,15 +40,6 @@ log = get_logger("llmgw.controlplane.leader")
 # A fixed 63-bit key every control plane of a cluster agrees on; derived from a name so it
 # does not collide with advisory locks other software might take in the same database.
 RECONCILE_LOCK_KEY = int.from_bytes(hashlib.sha256(b"llmgw/reconcile").digest()[:8], "big") >> 1
-
-# A dead peer is noticed in about idle + interval * count seconds instead of the kernel's
-# two hours, so a leader whose host vanished loses its lock within seconds, not hours.
-_KEEPALIVES: dict[str, Any] = {
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 3,
-}
 
 
 class FencedError(ConflictError):
@@ -164,12 +156,10 @@ class LeaderLock:
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = await psycopg.AsyncConnection.connect(
+            self._conn = await connect_dedicated(
                 self._url,
-                autocommit=True,
-                connect_timeout=max(1, int(self._connect_timeout_s)),
-                application_name=f"llmgw-leader-{self._instance_id}"[:63],
-                **_KEEPALIVES,
+                application_name=f"llmgw-leader-{self._instance_id}",
+                connect_timeout_s=self._connect_timeout_s,
             )
         return self._conn
 

@@ -9,10 +9,10 @@ Every control plane runs one; only the leader (``leader.py``) passes. A pass is:
         await apply_plan(session, plan, state, epoch=epoch)
 
 Passes are woken by a periodic tick (APScheduler) and early by NOTIFY on the
-channel admin writes signal. A notification is only a hint: lost or repeated ones do
-no harm, because each pass re-reads everything (level-triggered). A failing pass is
-retried on the next tick with a growing pause, never in a hot loop, and logged with
-its traceback.
+channel admin writes signal (``store.listen.Listener``). A notification is only a hint:
+lost or repeated ones do no harm, because each pass re-reads everything (level-triggered).
+A failing pass is retried on the next tick with a growing pause, never in a hot loop, and
+logged with its traceback.
 
 This module must NOT compute anything about the fleet; that is the plan's job.
 """
@@ -26,9 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
-import psycopg
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -37,7 +35,9 @@ from llmgw.controlplane.planner.plan import compute_plan
 from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
 from llmgw.controlplane.store.catalog import CHANGE_CHANNEL
+from llmgw.controlplane.store.listen import Listener, ListenLog
 from llmgw.controlplane.store.reconcile import apply_plan, load_snapshot
+from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
 __all__ = ["ReconcileMetrics", "Reconciler"]
@@ -119,14 +119,23 @@ class Reconciler:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._sessions = sessions
-        self._url = libpq_url
-        self._instance_id = instance_id
         self._settings = plan_settings
         self._tick_s = tick_s
         self._metrics = metrics or ReconcileMetrics.create(CollectorRegistry())
         self._clock = clock
         self._lock = LeaderLock(libpq_url, instance_id=instance_id)
         self._wake = asyncio.Event()
+        # A NOTIFY only brings the next pass forward; nothing is re-read on a reconnect, since
+        # every pass reads everything and the tick runs one soon anyway.
+        self._listener = Listener(
+            libpq_url,
+            [CHANGE_CHANNEL],
+            application_name=f"llmgw-listen-{instance_id}",
+            on_notify=self._wake.set,
+            backoff_base_s=_BACKOFF_BASE_S,
+            backoff_max_s=_BACKOFF_MAX_S,
+            log=ListenLog(log, lost="reconcile_listen_lost", restored="reconcile_listen_restored"),
+        )
         self._failures = 0
         # When this process began watching the fleet without a gap: set on taking the lead,
         # cleared by a failed pass. Nodes are judged silent only from then (load_snapshot).
@@ -169,7 +178,7 @@ class Reconciler:
         scheduler.add_job(self.wake, "interval", seconds=self._tick_s, id="reconcile-tick")
         scheduler.start()
         self._scheduler = scheduler
-        listener = asyncio.create_task(self._listen(stop), name="reconcile-listen")
+        listener = asyncio.create_task(self._listener.run(), name="reconcile-listen")
         try:
             while not stop.is_set():
                 await self._step()
@@ -190,9 +199,7 @@ class Reconciler:
         finally:
             self._scheduler = None
             scheduler.shutdown(wait=False)
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            await cancel_and_wait(listener)
             await self._lock.release()
             self._metrics.leader.set(0)
 
@@ -249,26 +256,3 @@ class Reconciler:
         for deployment, why in state.broken.items():
             log.warning("profile_unlaunchable", deployment=deployment, reason=why)
         return counts
-
-    async def _listen(self, stop: asyncio.Event) -> None:
-        """LISTEN on a dedicated autocommit connection; reconnect with backoff when it drops."""
-        failures = 0
-        while not stop.is_set():
-            try:
-                conn: psycopg.AsyncConnection[Any] = await psycopg.AsyncConnection.connect(
-                    self._url,
-                    autocommit=True,
-                    application_name=f"llmgw-listen-{self._instance_id}"[:63],
-                )
-                async with conn:
-                    await conn.execute(f"LISTEN {CHANGE_CHANNEL}")
-                    if failures:
-                        log.info("reconcile_listen_restored")
-                    failures = 0
-                    async for _note in conn.notifies():
-                        self._wake.set()
-            except psycopg.Error as exc:
-                failures += 1
-                if failures == 1:
-                    log.warning("reconcile_listen_lost", error=type(exc).__name__)
-                await asyncio.sleep(min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures))

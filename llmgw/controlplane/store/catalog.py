@@ -1,11 +1,17 @@
-"""All SQL of the admin API: functions that take a session, flush, never commit.
+"""The catalog's SQL: models, profiles and deployments (a deployment's rollout status read
+with it), the admin audit log, and the cluster's KV hash seed; and the names of the NOTIFY
+channels that wake the reconciler (``CHANGE_CHANNEL``, sent by ``record_audit``) and the
+gateways' route caches (``ROUTES_CHANNEL``, sent by database triggers). The generic row
+writes ``admin/common.py`` makes for every route, fleet rows' included, are here too:
+``insert_row``, ``apply_changes`` (the version check) and ``save_row``.
 
-The caller owns the transaction (``async with session.begin():``), so a request
-that fails half-way leaves nothing behind, and NOTIFY (sent inside it) is
-delivered only if it commits. Rows are locked ``FOR UPDATE`` before an update
-is decided, so two admins racing on one row are serialised by Postgres and the
-loser sees the winner's version: idempotent if it asked for the same thing,
-409 if not. Nothing here formats HTTP; errors are ``llmgw.errors`` types.
+Functions take a session, flush, never commit. The caller owns the transaction (``async
+with session.begin():``), so a request that fails half-way leaves nothing behind, and
+NOTIFY (sent inside it) is delivered only if it commits. Rows are locked ``FOR UPDATE``
+before an update is decided, so two admins racing on one row are serialised by Postgres and
+the loser sees the winner's version: idempotent if it asked for the same thing, 409 if not.
+Nothing here formats HTTP; errors are ``llmgw.errors`` types. The fleet (nodes, replicas,
+GPU classes) is ``fleet.py``'s, bootstrap tokens ``bootstrap_tokens.py``'s.
 """
 
 from __future__ import annotations
@@ -43,13 +49,17 @@ __all__ = [
     "get_deployment_status",
     "get_deployments",
     "get_model",
+    "get_model_by_id",
     "get_models",
     "get_profile",
+    "get_profile_by_id",
     "get_profiles_with_models",
+    "insert_row",
     "list_deployments",
     "list_models",
     "list_profiles",
     "record_audit",
+    "save_row",
 ]
 
 # LISTEN channel the reconciler wakes on. A notification is a hint, never the
@@ -101,6 +111,20 @@ async def get_deployment(
 ) -> Deployment:
     """The deployment named ``name``; ``field`` is what a NotFoundError blames (the referring field)."""
     return await _one_by_name(session, Deployment, "deployment", name, lock=lock, field=field)
+
+
+async def get_model_by_id(session: AsyncSession, model_id: Any) -> Model:
+    """The model a profile or deployment refers to (its foreign key RESTRICTs deletion)."""
+    model = await session.get(Model, model_id)
+    assert model is not None  # FK RESTRICT: a referenced model exists
+    return model
+
+
+async def get_profile_by_id(session: AsyncSession, profile_id: Any) -> Profile:
+    """The profile a deployment refers to (its foreign key RESTRICTs deletion)."""
+    profile = await session.get(Profile, profile_id)
+    assert profile is not None  # FK RESTRICT: a referenced profile exists
+    return profile
 
 
 async def get_models(session: AsyncSession, names: Sequence[str]) -> dict[str, Model]:
@@ -247,6 +271,21 @@ def apply_changes(row: _Row, changes: Mapping[str, Any], *, version: int | None,
     if hasattr(row, "updated_at"):
         row.updated_at = func.now()
     return True
+
+
+async def insert_row(session: AsyncSession, row: object) -> None:
+    """Insert a row an admin route built, then read back what the database filled in (ids,
+    defaults, timestamps), so the reply shows the row as stored."""
+    session.add(row)
+    await session.flush()
+    await session.refresh(row)
+
+
+async def save_row(session: AsyncSession, row: object) -> None:
+    """Write the changes ``apply_changes`` made to a row (the UPDATE checks and bumps its
+    version), then read back what the database filled in."""
+    await session.flush()
+    await session.refresh(row)
 
 
 async def _refuse_if_referenced(

@@ -1,4 +1,5 @@
-"""The admin API's SQL for the fleet: nodes, bootstrap tokens, replicas, actions, GPU classes.
+"""The admin API's SQL for the fleet: nodes, replicas, the reconciler's action record, GPU
+classes (bootstrap tokens are ``bootstrap_tokens.py``'s).
 
 As ``llmgw.controlplane.store.catalog``: functions take a session, flush, never commit, and
 raise ``llmgw.errors`` types. Lists read a page in a constant number of statements (the
@@ -16,11 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.store.tables import (
-    BootstrapToken,
     Deployment,
     DeploymentStatus,
     GpuAssignment,
@@ -42,15 +42,12 @@ __all__ = [
     "get_gpu_class",
     "get_node",
     "get_replica",
-    "get_token",
     "gpu_class_exists",
     "list_actions",
     "list_gpu_classes",
     "list_nodes",
     "list_replicas",
-    "list_tokens",
     "lock_node",
-    "revoke_token",
 ]
 
 
@@ -167,46 +164,6 @@ async def delete_node(session: AsyncSession, name: str) -> Node:
     await session.delete(node)
     await session.flush()
     return node
-
-
-# --- bootstrap tokens -------------------------------------------------------
-
-
-async def list_tokens(
-    session: AsyncSession, *, after: str | None, limit: int
-) -> Sequence[BootstrapToken]:
-    stmt = select(BootstrapToken).order_by(BootstrapToken.id).limit(limit)
-    if after is not None:
-        stmt = stmt.where(BootstrapToken.id > after)
-    return (await session.execute(stmt)).scalars().all()
-
-
-async def get_token(session: AsyncSession, token_id: str, *, lock: bool = False) -> BootstrapToken:
-    stmt = select(BootstrapToken).where(BootstrapToken.id == token_id)
-    if lock:
-        stmt = stmt.with_for_update()
-    row = (await session.execute(stmt)).scalar_one_or_none()
-    if row is None:
-        raise NotFoundError(
-            f"bootstrap token {token_id!r} does not exist; list them with "
-            "GET /admin/v1/bootstrap-tokens (the id is the part after 'llmgwb_')",
-            field="id",
-        )
-    return row
-
-
-async def revoke_token(session: AsyncSession, token_id: str) -> tuple[BootstrapToken, bool]:
-    """Mark a token revoked (the row stays: nodes name the token they joined with).
-    Returns the row and whether it was live before."""
-    row = await get_token(session, token_id, lock=True)
-    if row.revoked:
-        return row, False
-    await session.execute(
-        update(BootstrapToken).where(BootstrapToken.id == token_id).values(revoked=True)
-    )
-    await session.flush()
-    await session.refresh(row)
-    return row, True
 
 
 # --- replicas ---------------------------------------------------------------

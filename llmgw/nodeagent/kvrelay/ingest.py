@@ -7,14 +7,13 @@ batches (libzmq #2267). A thread, not zmq.asyncio: measured in bench/agent_kvrel
 with non-blocking receives in one tight loop costs a fraction of an asyncio future per message,
 and decoding is the relay's whole budget.
 
-Per engine (``Feed``): a topic filter of exactly ``kv@<shard_id>`` (SUB filters by prefix, so
-``kv@s1`` would also take ``kv@s10``; a stopping engine's PUB may reconnect to a reused port);
-``llmgw.kv``'s reference-counting ``BlockMirror``; a replay DEALER opened per request. A seq gap
-is filled from the engine's replay ROUTER; if it cannot be (no replay port, the buffer moved on,
-a malformed replayed batch), the mirror resyncs to a partial view. Malformed frames are counted
-and dropped. The mirror is persisted atomically in the state dir so a restarted agent
-forward-fills from replay instead of starting blind; an engine start the supervisor reports
-(a new ``engine_generation``) resets it.
+Per engine (``Feed``, feed.py): a topic filter of exactly ``kv@<shard_id>`` (SUB filters by
+prefix, so ``kv@s1`` would also take ``kv@s10``; a stopping engine's PUB may reconnect to a
+reused port); ``llmgw.kv``'s reference-counting ``BlockMirror``. A seq gap is filled from the
+engine's replay ROUTER, on this thread (replay.py). Malformed frames are counted and dropped.
+The mirror is persisted atomically in the state dir so a restarted agent forward-fills from
+replay instead of starting blind; an engine start the supervisor reports (a new
+``engine_generation``) resets it.
 
 Readers on other threads take ``Feed.lock``; nothing else here is shared.
 """
@@ -27,71 +26,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from llmgw.kv import (
-    AllBlocksCleared,
-    BlockMirror,
-    BlockStored,
-    DecodedBatch,
-    EventBatch,
-    KVDecodeError,
-    KVError,
-    decode_batch,
-    decode_replay_reply,
-    encode_replay_request,
-)
+from llmgw.kv import AllBlocksCleared, BlockMirror, KVDecodeError, KVError, decode_batch
 from llmgw.logs import get_logger
+from llmgw.nodeagent.kvrelay.feed import Feed, FrameFilter, WatchSpec
 from llmgw.nodeagent.kvrelay.metrics import RelayMetrics
+from llmgw.nodeagent.kvrelay.replay import Replayer
 from llmgw.nodeagent.kvrelay.state import load_mirror, move_legacy_state, save_mirror, state_path
 
-__all__ = ["FrameFilter", "IngestThread", "WatchSpec"]
+__all__ = ["IngestThread"]
 
 _log = get_logger(__name__)
 
-# Test seam: (shard_id, seq) -> False drops the live frame as if the network had lost it.
-FrameFilter = Callable[[str, int], bool]
-
 _DRAIN_PER_SOCKET = 512  # messages per socket per poll round: one busy engine cannot starve others
-_MAX_REPLAY_BATCHES = 200_000  # vLLM keeps 10000 by default; past this the engine is misbehaving
 _RCVHWM = 200_000
-_REPLAY_SLICE_MS = 10  # messages queued per SUB while the thread is busy (e.g. replaying)
-
-
-@dataclass(frozen=True, slots=True)
-class WatchSpec:
-    shard_id: str
-    sub_port: int
-    replay_port: int | None
-    model: str
-    engine_generation: int
-
-
-class Feed:
-    """One engine's SUB socket and mirror. Fields are the ingest thread's except under ``lock``."""
-
-    def __init__(self, spec: WatchSpec, mirror: BlockMirror) -> None:
-        self.spec = spec
-        self.topic = f"kv@{spec.shard_id}".encode()
-        self.mirror = mirror
-        self.lock = threading.Lock()
-        self.block_size: int | None = None
-        self.sub: zmq.Socket[bytes] | None = None
-        self.persisted_version = -1
-        self.next_probe_at = 0.0  # forward-fill from replay at once, then when idle
-        self.last_live_at = 0.0
-
-
-def _block_size(batch: EventBatch) -> int | None:
-    """The engine's GPU block size, from its first GPU store (offload events carry 0)."""
-    for event in batch.events:
-        if type(event) is BlockStored and event.block_size and event.medium in (None, "GPU"):
-            return event.block_size
-    return None
 
 
 class IngestThread:
@@ -113,8 +65,6 @@ class IngestThread:
         self._metrics = metrics
         self._on_change = on_change
         self._filter = frame_filter
-        self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
-        self._probe_interval_s = probe_interval_s
         self._persist_interval_s = persist_interval_s
         self._mirror_max_blocks = mirror_max_blocks
         self.feeds: dict[str, Feed] = {}  # replaced, never mutated, so readers need no lock
@@ -124,6 +74,14 @@ class IngestThread:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._ctx: zmq.Context[Any] = zmq.Context()
+        self._replayer = Replayer(
+            self._ctx,
+            metrics,
+            on_change=on_change,
+            attend_subs=self._attend_subs,
+            replay_timeout_s=replay_timeout_s,
+            probe_interval_s=probe_interval_s,
+        )
         self._thread = threading.Thread(target=self._main, name="kv-relay-ingest", daemon=True)
         self._stopped = False
 
@@ -181,7 +139,7 @@ class IngestThread:
                 now = time.monotonic()
                 for feed in list(self.feeds.values()):
                     if now >= feed.next_probe_at:
-                        self._probe(feed)
+                        self._replayer.probe(feed)
                 if now >= next_persist:
                     for feed in list(self.feeds.values()):
                         self._persist(feed)
@@ -336,12 +294,12 @@ class IngestThread:
                     num_cleared += 1
                 else:
                     num_events += len(event.block_hashes)  # type: ignore[union-attr]
-            if feed.block_size is None:
-                feed.block_size = _block_size(batch)
+            if feed.block_size is None:  # checked here too: the common case costs no call
+                feed.learn_block_size((batch,))
             with lock:
                 outcome = mirror.apply(seq, batch).outcome
             if outcome == "gap":
-                self._fill_gap(feed, seq, decoded)
+                self._replayer.fill_gap(feed, seq, decoded)
         if num_batches:
             feed.last_live_at = time.monotonic()
             m.batches.inc(num_batches)
@@ -356,133 +314,12 @@ class IngestThread:
         if mirror.version != before:
             self._on_change()
 
-    # --- gaps and replay ---------------------------------------------------------------------
-
-    def _fill_gap(self, feed: Feed, seq: int, decoded: DecodedBatch) -> None:
-        shard = feed.spec.shard_id
-        mirror = feed.mirror
-        expected = mirror.expected_seq
-        replayed = self._replay(feed, expected)
-        self._learn_block_size(feed, [b for _, b in replayed])
-        with feed.lock:
-            for rseq, rbatch in replayed:
-                if mirror.apply(rseq, rbatch.batch).outcome == "gap":
-                    break
-            filled = mirror.apply(seq, decoded.batch).outcome != "gap"
-            if not filled:
-                mirror.resync(seq, decoded.batch)
-        outcome = "filled" if filled else "reset"
-        self._metrics.gaps.labels(shard=shard, outcome=outcome).inc()
-        if not filled:
-            self._metrics.resets.labels(shard=shard, reason="gap").inc()
-        self._metrics.partial.labels(shard=shard).set(1 if mirror.partial else 0)
-        _log.info(
-            "kv_gap",
-            shard=shard,
-            missing_from=expected,
-            missing_to=seq - 1,
-            outcome=outcome,
-            replayed=len(replayed),
-        )
-
-    @staticmethod
-    def _learn_block_size(feed: Feed, batches: list[DecodedBatch]) -> None:
-        for decoded in batches:
-            if feed.block_size is not None:
-                return
-            feed.block_size = _block_size(decoded.batch)
-
-    def _probe(self, feed: Feed) -> None:
-        """Forward-fill from replay: after (re)watching, and whenever the engine went quiet.
-
-        Catches batches that raced the subscription or were lost last with no later batch to
-        reveal the gap; an engine whose buffer moved past our seq leaves a partial view.
-        """
-        now = time.monotonic()
-        feed.next_probe_at = now + self._probe_interval_s
-        if feed.spec.replay_port is None:
-            return
-        if feed.last_live_at and now - feed.last_live_at < self._probe_interval_s / 2:
-            return  # live traffic reveals gaps by itself
-        mirror = feed.mirror
-        expected = mirror.expected_seq
-        replayed = self._replay(feed, expected)
-        if not replayed:
-            return
-        first_seq, first = replayed[0]
-        self._learn_block_size(feed, [b for _, b in replayed])
-        changed = False
-        with feed.lock:
-            before = mirror.version
-            if first_seq > expected:
-                mirror.resync(first_seq, first.batch)
-                self._metrics.resets.labels(shard=feed.spec.shard_id, reason="gap").inc()
-                self._metrics.gaps.labels(shard=feed.spec.shard_id, outcome="reset").inc()
-            for rseq, rbatch in replayed:
-                if mirror.apply(rseq, rbatch.batch).outcome == "gap":
-                    break
-            changed = mirror.version != before
-        self._metrics.partial.labels(shard=feed.spec.shard_id).set(1 if mirror.partial else 0)
-        self._metrics.blocks.labels(shard=feed.spec.shard_id).set(mirror.num_blocks)
-        if changed:
-            _log.info(
-                "kv_forward_filled",
-                shard=feed.spec.shard_id,
-                from_seq=expected,
-                replayed=len(replayed),
-                partial=mirror.partial,
-            )
-            self._on_change()
-
-    def _replay(self, feed: Feed, start_seq: int) -> list[tuple[int, DecodedBatch]]:
-        """Batches from ``start_seq`` on, from the engine's replay ROUTER; [] if unavailable.
-
-        A fresh DEALER per request: after a timeout, a late reply on a reused socket would be
-        taken for the answer to the next request.
-        """
-        port = feed.spec.replay_port
-        if port is None:
-            return []
-        shard = feed.spec.shard_id
-        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        out: list[tuple[int, DecodedBatch]] = []
-        try:
-            dealer.connect(f"tcp://127.0.0.1:{port}")
-            dealer.send_multipart(encode_replay_request(start_seq))
-            while len(out) < _MAX_REPLAY_BATCHES:
-                if not self._await_reply(dealer):
-                    self._metrics.replay_timeouts.labels(shard=shard).inc()
-                    _log.info("kv_replay_timeout", shard=shard, start_seq=start_seq)
-                    return out
-                reply = decode_replay_reply(dealer.recv_multipart())
-                if reply.is_end:
-                    break
-                if reply.topic is not None and reply.topic.encode() != feed.topic:
-                    raise KVDecodeError(f"replayed batch has topic {reply.topic[:60]!r}")
-                out.append((reply.seq, decode_batch(reply.payload)))
-        except KVDecodeError as exc:
-            # What came before the bad reply is still good; the caller sees a gap after it.
-            self._metrics.for_shard(shard).malformed.inc()
-            _log.warning("kv_replay_malformed", shard=shard, error=str(exc))
-        finally:
-            dealer.close(linger=0)
-        return out
-
-    def _await_reply(self, dealer: zmq.Socket[bytes]) -> bool:
-        """Wait for the DEALER in short slices, letting every SUB process its commands between
-        them: a SUB left alone for the whole timeout would not attach an engine connecting
-        meanwhile, and that engine's first batches would be lost (the race this thread exists
-        to close)."""
-        deadline = time.monotonic() + self._replay_timeout_ms / 1000
-        while True:
-            if dealer.poll(_REPLAY_SLICE_MS):
-                return True
-            for other in self.feeds.values():
-                if other.sub is not None:
-                    other.sub.getsockopt(zmq.EVENTS)
-            if time.monotonic() >= deadline:
-                return False
+    def _attend_subs(self) -> None:
+        """Let every SUB process its commands, reading nothing: a connecting PUB is attached
+        (and sent the subscription) only while its SUB does (libzmq #2267)."""
+        for feed in self.feeds.values():
+            if feed.sub is not None:
+                feed.sub.getsockopt(zmq.EVENTS)
 
     # --- persistence -------------------------------------------------------------------------
 

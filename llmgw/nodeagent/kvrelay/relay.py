@@ -1,8 +1,8 @@
 """The node agent's KV-event relay: engines' KV events -> mirrors -> every control plane instance.
 
 ``KvRelay`` is the agent-facing shell. Ingest (ZMQ, mirrors, replay, persistence) runs on one
-thread, ``kvrelay_ingest``; what and when to send is the pure ``kvrelay_stream``; this module
-runs one asyncio stream per control plane instance (design §5):
+thread (ingest.py, replay.py); what and when to send is the pure stream.py; this module runs
+one asyncio stream per control plane instance (design §5):
 
 - at most one request in flight per instance and at most ``max_sends_per_s`` requests a second,
   so a busy engine costs an instance a bounded request rate whatever its event rate: changes
@@ -32,9 +32,10 @@ from pathlib import Path
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from llmgw.eventloop import wait_event
+from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
-from llmgw.nodeagent.kvrelay.ingest import Feed, FrameFilter, IngestThread, WatchSpec
+from llmgw.nodeagent.kvrelay.feed import Feed, FrameFilter, WatchSpec
+from llmgw.nodeagent.kvrelay.ingest import IngestThread
 from llmgw.nodeagent.kvrelay.metrics import RelayMetrics
 from llmgw.nodeagent.kvrelay.stream import ShardStream, StreamTiming, plan_requests
 from llmgw.protocol.kvstream import (
@@ -221,8 +222,7 @@ class KvRelay:
 
     async def close(self) -> None:
         self._closed.set()
-        for inst in list(self._instances.values()):
-            await self._stop_instance(inst)
+        await cancel_and_wait([inst.task for inst in self._instances.values()])
         self._instances.clear()
         # Persists every mirror on the way out, so the next agent forward-fills from replay.
         await asyncio.to_thread(self._ingest.stop)
@@ -254,12 +254,6 @@ class KvRelay:
                     self._stream(inst), name=f"kv-stream-{instance_id}"
                 )
                 _log.info("kv_stream_opened", instance=instance_id, url=url)
-
-    async def _stop_instance(self, inst: _Instance) -> None:
-        if inst.task is not None:
-            inst.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await inst.task
 
     def _changed_from_thread(self) -> None:
         # At most one cross-thread wake per loop turn, and none unless a stream waits for news:
@@ -301,8 +295,6 @@ class KvRelay:
                 pause = self._min_interval_s - (time.monotonic() - started)
                 if pause > 0:
                     await asyncio.sleep(pause)
-        except asyncio.CancelledError:
-            raise
         except Exception:
             _log.exception("kv_stream_crashed", instance=inst.instance_id)
             raise

@@ -1,11 +1,12 @@
-"""The agent API's two secrets: bootstrap tokens and node credentials, and how they are checked.
+"""The control plane's three secrets, their shapes, and how they are checked.
 
+    API key           llmgw_<id>_<secret>         what clients of the gateway send
     bootstrap token   llmgwb_<id>_<secret>        lets a new node register (design §5)
     node credential   llmgwn_<node uuid>_<secret> what a registered node's agent presents
 
-Only SHA-256 of the secret is stored. A fast hash is right here, as for API keys: the secrets
-are 256 random bits, so there is nothing to brute-force, and node credentials are checked on
-every sync and KV request. The id travels in the clear inside the token so the row is found
+Only SHA-256 of the secret is stored. A fast hash is right here: the secrets are 256 random
+bits, so there is nothing to brute-force, and API keys and node credentials are checked on
+every request. The id travels in the clear inside the token so the row is found
 by primary key; the comparison of hashes is in constant time, because a byte-by-byte one
 leaks how much of a guess was right.
 
@@ -22,22 +23,28 @@ from dataclasses import dataclass
 
 __all__ = [
     "BOOTSTRAP_PREFIX",
+    "KEY_PREFIX",
     "NODE_PREFIX",
     "BootstrapToken",
+    "NewApiKey",
     "NodeCredential",
     "bearer_credential",
     "hash_matches",
+    "new_api_key",
     "new_bootstrap_token",
     "new_node_credential",
+    "parse_api_key",
     "parse_bootstrap_token",
     "parse_node_credential",
     "secret_sha256",
 ]
 
+KEY_PREFIX = "llmgw"
 BOOTSTRAP_PREFIX = "llmgwb"
 NODE_PREFIX = "llmgwn"
-# Bootstrap token ids: short hex, no underscore, so the token splits unambiguously.
-_BOOTSTRAP_ID_BYTES = 8
+# API key and bootstrap token ids: short hex, no underscore, so the secret splits unambiguously.
+_ID_BYTES = 8
+_MAX_ID_CHARS = 32
 _SECRET_BYTES = 32
 # token_urlsafe(32) is 43 characters; anything much longer is not ours and is not hashed.
 _MAX_SECRET_CHARS = 128
@@ -82,7 +89,7 @@ class NodeCredential:
 
 def new_bootstrap_token() -> BootstrapToken:
     return BootstrapToken(
-        id=secrets.token_hex(_BOOTSTRAP_ID_BYTES), secret=secrets.token_urlsafe(_SECRET_BYTES)
+        id=secrets.token_hex(_ID_BYTES), secret=secrets.token_urlsafe(_SECRET_BYTES)
     )
 
 
@@ -101,10 +108,42 @@ def _split(text: str, prefix: str) -> tuple[str, str] | None:
     return ident, secret
 
 
+@dataclass(frozen=True, slots=True)
+class NewApiKey:
+    id: str
+    secret: str
+
+    @property
+    def plaintext(self) -> str:
+        return f"{KEY_PREFIX}_{self.id}_{self.secret}"
+
+    @property
+    def secret_sha256(self) -> bytes:
+        return secret_sha256(self.secret)
+
+    def __repr__(self) -> str:  # the secret must never reach a log line
+        return f"NewApiKey(id={self.id!r})"
+
+
+def new_api_key() -> NewApiKey:
+    return NewApiKey(id=secrets.token_hex(_ID_BYTES), secret=secrets.token_urlsafe(_SECRET_BYTES))
+
+
+def parse_api_key(authorization: str | None) -> tuple[str, str] | None:
+    """(id, secret) of an ``Authorization: Bearer llmgw_<id>_<secret>`` header, or None."""
+    scheme, _, value = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    parts = _split(value.strip(), KEY_PREFIX)
+    if parts is None or len(parts[0]) > _MAX_ID_CHARS:
+        return None
+    return parts
+
+
 def parse_bootstrap_token(text: str) -> BootstrapToken | None:
     """The token's parts, or None for anything not shaped ``llmgwb_<id>_<secret>``."""
     parts = _split(text.strip(), BOOTSTRAP_PREFIX)
-    if parts is None or len(parts[0]) > 32:
+    if parts is None or len(parts[0]) > _MAX_ID_CHARS:
         return None
     return BootstrapToken(id=parts[0], secret=parts[1])
 

@@ -1,0 +1,95 @@
+"""The SQL of the gateway's route table: the two statements ``RouteCache`` reads it with,
+and the rows they return.
+
+One statement reads every live rank-0 shard with its replica's state and its launch spec's
+profile, the other every deployment's names; ``gateway.routes.build_table`` turns the rows
+into the table. Both take a session and write nothing.
+
+What this module must NOT do: put an engine key (``RouteRow.api_key``) in a repr or a log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+__all__ = ["DeclaredRow", "RouteRow", "read_declared", "read_routes"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRow:
+    shard: str
+    replica: str
+    proxy_url: str
+    api_key: str = field(repr=False)
+    ready: bool
+    index_model: str
+    profile: Mapping[str, Any]
+    incarnation: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredRow:
+    """A deployment's names, whatever its replicas do: a model scaled to zero, or between
+    replicas in a rollout, is still a model (503, retry), never an unknown one (404)."""
+
+    name: str
+    adapters: tuple[tuple[str, str], ...] = ()
+
+
+_READ = text(
+    "SELECT s.id::text AS shard, s.replica_id::text AS replica, s.proxy_url, s.engine_api_key, "
+    "(s.observed_state = 'ready' AND s.desired_state = 'running' AND r.state = 'active' "
+    "AND s.proxy_url <> '') AS ready, "
+    "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS index_model, "
+    "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile, "
+    "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation "
+    "FROM shards s JOIN replicas r ON r.id = s.replica_id "
+    "LEFT JOIN deployments d ON d.id = r.deployment_id "
+    "LEFT JOIN models m ON m.id = d.model_id "
+    "WHERE NOT s.released AND s.rank = 0 AND r.state <> 'stopping'"
+)
+
+
+_DECLARED = text(
+    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters "
+    "FROM deployments d JOIN models m ON m.id = d.model_id "
+    "JOIN profiles p ON p.id = d.profile_id"
+)
+
+
+async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
+    """Every deployment's served name and adapters, in one statement."""
+    result = await session.execute(_DECLARED)
+    out = []
+    for r in result:
+        raw = r.adapters if isinstance(r.adapters, list) else []
+        loras = tuple(
+            (str(a["name"]), str(a.get("path", "")))
+            for a in raw
+            if isinstance(a, dict) and a.get("name")
+        )
+        out.append(DeclaredRow(str(r.name), loras))
+    return out
+
+
+async def read_routes(session: AsyncSession) -> list[RouteRow]:
+    """Every live rank-0 shard with what routing needs, in one statement."""
+    result = await session.execute(_READ)
+    return [
+        RouteRow(
+            shard=r.shard,
+            replica=r.replica,
+            proxy_url=r.proxy_url or "",
+            api_key=r.engine_api_key or "",
+            ready=bool(r.ready),
+            index_model=r.index_model or "",
+            profile=r.profile if isinstance(r.profile, dict) else {},
+            incarnation=r.incarnation or "",
+        )
+        for r in result
+    ]

@@ -1,0 +1,350 @@
+"""Starting and stopping shards for real: a wrapper spawned with its launch, stopped by
+signals, and the shard's GPUs waited on until they show none of its processes.
+
+A start is two steps, so the supervisor can book what lies between them: ``build`` (the
+shard's directory, its adapters fetched, its ports, the launch built; nothing runs yet, and
+every failure is a ``StartFailed`` to report and retry) and ``start`` (the record written,
+the wrapper spawned and handed its launch).
+
+The agent is never what keeps an engine alive: wrappers run in their own sessions, get the
+launch on a pipe that is closed once written, and write their output to files. An agent that
+exits (or is killed) leaves every engine running; the next agent finds them through their
+records and adopts those it can prove are the same processes (records.py, procs.py).
+
+This module must NOT decide what to start or stop (diff.py, supervisor.py), nor keep the
+supervisor's books (its notes, retries, counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from llmgw.engines import Command, ShardSpec
+from llmgw.errors import SpecError
+from llmgw.logs import get_logger
+from llmgw.nodeagent import procs
+from llmgw.nodeagent.adapters import AdapterFetchError, fetch_adapter, is_url
+from llmgw.nodeagent.inventory import GpuSource
+from llmgw.nodeagent.ports import PortAllocator, PortsExhausted
+from llmgw.nodeagent.prepare import (
+    LaunchPorts,
+    NodeFacts,
+    PreparedShard,
+    build_launch,
+    spec_without_secrets,
+)
+from llmgw.nodeagent.records import RecordError, ShardRecord, safe_shard_dirname, write_model
+from llmgw.nodeagent.runtime import ShardRuntime
+from llmgw.nodeagent.shardrun import ShardLaunch
+from llmgw.nodeagent.supervisor_config import SupervisorConfig
+
+__all__ = ["Launcher", "PendingStart", "StartFailed", "kill_leftovers", "wrapper_running"]
+
+# The supervisor's logger: these events were the supervisor's own before it was split up, and
+# whoever reads the logs finds them where they were.
+log = get_logger("llmgw.nodeagent.supervisor")
+
+
+class StartFailed(Exception):
+    """A start that could not happen before its wrapper ran; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingStart:
+    """A start built and not yet run: what ``Launcher.start`` runs."""
+
+    prepared: PreparedShard
+    dir: Path
+    ports: LaunchPorts
+    spec: ShardSpec
+    commands: list[Command]
+    # The runtime of the shard's previous life on this node, if any.
+    prev: ShardRuntime | None
+    # The same desired spec run again after an exit: a restart, not a new start.
+    restarted: bool
+
+
+def wrapper_running(rt: ShardRuntime) -> bool:
+    """Whether the shard's wrapper still runs: our child's exit status, else /proc's proof."""
+    if rt.popen is not None:
+        return rt.popen.poll() is None
+    rec = rt.record
+    return rec.wrapper_pid is not None and procs.same_process(
+        rec.wrapper_pid, rec.wrapper_start_time, rt.shard_id
+    )
+
+
+def kill_leftovers(shard_id: str) -> None:
+    """SIGKILL every process still marked with this shard (its wrapper is gone)."""
+    killed = procs.kill_marked(shard_id)
+    if killed:
+        log.warning("shard_leftovers_killed", shard=shard_id, pids=killed)
+
+
+def _record_ports(rec: ShardRecord) -> tuple[int, int, int]:
+    return rec.http_port, rec.kv_events_port, rec.kv_replay_port
+
+
+class Launcher:
+    """Builds and runs shard starts, stops wrappers, and owns the node's shard ports."""
+
+    def __init__(
+        self,
+        config: SupervisorConfig,
+        *,
+        facts: Callable[[], NodeFacts],
+        gpu_source: GpuSource,
+        wrapper_env: Mapping[str, str],
+        boot_id: str,
+    ) -> None:
+        self.cfg = config
+        self._facts = facts
+        self._gpus = gpu_source
+        self._wrapper_env = wrapper_env
+        self._boot_id = boot_id
+        self.ports = PortAllocator(*config.port_range)
+
+    # --- ports and directories -------------------------------------------------------
+
+    def hold(self, rec: ShardRecord) -> None:
+        """Keep a shard found on disk from losing its ports to another start."""
+        self.ports.hold(_record_ports(rec))
+
+    def release(self, rt: ShardRuntime) -> None:
+        """Give back what a forgotten shard held: its ports and its directory."""
+        self.ports.release(_record_ports(rt.record))
+        shutil.rmtree(rt.dir, ignore_errors=True)
+
+    def shard_dir(self, shard_id: str) -> Path:
+        try:
+            return self.cfg.shards_root / safe_shard_dirname(shard_id)
+        except RecordError as e:
+            raise StartFailed(str(e)) from None
+
+    # --- building a start ------------------------------------------------------------
+
+    async def localize_adapters(self, p: PreparedShard) -> PreparedShard:
+        """The prepared shard with every http(s) adapter replaced by its local copy."""
+        if p.spec is None or not any(is_url(a.path) for a in p.spec.profile.adapters):
+            return p
+        root = self.cfg.adapter_root or self.cfg.shards_root.parent / "adapters"
+        adapters = []
+        for a in p.spec.profile.adapters:
+            if is_url(a.path):
+                try:
+                    local = await fetch_adapter(
+                        a.path,
+                        root,
+                        max_bytes=self.cfg.adapter_max_bytes,
+                        allow_loopback=self.cfg.adapter_allow_loopback,
+                    )
+                except AdapterFetchError as e:
+                    raise StartFailed(str(e)) from None
+                except httpx.HTTPError as e:
+                    raise StartFailed(f"adapter {a.name!r}: {type(e).__name__}: {e}") from None
+                a = a.model_copy(update={"path": str(local)})
+            adapters.append(a)
+        profile = p.spec.profile.model_copy(update={"adapters": tuple(adapters)})
+        return replace(p, spec=p.spec.model_copy(update={"profile": profile}))
+
+    def _ports_for(self, p: PreparedShard, prev: ShardRecord | None) -> LaunchPorts:
+        # The engine binds http and replay itself: kept when still free, renewed when another
+        # process took them. The KV events port is the agent's own SUB: always kept, so an
+        # engine's PUB meets the mirror it had.
+        http = (
+            self.ports.renew(prev.http_port) if prev and prev.http_port else self.ports.allocate()
+        )
+        kv = rp = 0
+        if p.needs_kv_ports:
+            kv = prev.kv_events_port if prev and prev.kv_events_port else self.ports.allocate()
+            rp = (
+                self.ports.renew(prev.kv_replay_port)
+                if prev and prev.kv_replay_port
+                else self.ports.allocate()
+            )
+        return LaunchPorts(http, kv, rp)
+
+    def build(self, p: PreparedShard, d: Path, prev_rt: ShardRuntime | None) -> PendingStart:
+        """Ports and the launch for a start in directory ``d``; StartFailed if none can be."""
+        prev = prev_rt.record if prev_rt is not None else None
+        try:
+            ports = self._ports_for(p, prev)
+        except PortsExhausted as e:
+            raise StartFailed(str(e)) from None
+        try:
+            spec, commands = build_launch(p, self._facts(), ports, runtime_dir=str(d / "run"))
+        except SpecError as e:
+            # Ports not yet in a record go back to the pool: a start that keeps
+            # failing must not drain the range.
+            kept = set(_record_ports(prev)) if prev else set()
+            self.ports.release(
+                x
+                for x in (ports.http_port, ports.kv_events_port, ports.kv_replay_port)
+                if x not in kept
+            )
+            raise StartFailed(e.message) from None
+        restarted = prev_rt is not None and prev is not None and prev.digest == p.digest
+        return PendingStart(p, d, ports, spec, commands, prev_rt, restarted)
+
+    # --- running it ------------------------------------------------------------------
+
+    async def start(
+        self,
+        pending: PendingStart,
+        now: float,
+        *,
+        before_spawn: Callable[[ShardRecord], Awaitable[None]],
+    ) -> ShardRuntime:
+        """Write the shard's record, let ``before_spawn`` see it, then spawn its wrapper."""
+        p, d, ports, commands = pending.prepared, pending.dir, pending.ports, pending.commands
+        prev_rt, restarted = pending.prev, pending.restarted
+        prev = prev_rt.record if prev_rt is not None else None
+        shard_id = p.shard_id
+        engine = p.engine
+        assert engine is not None  # launchable implies an engine
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in ("exit.json", "procs.json"):
+            (d / stale).unlink(missing_ok=True)
+        rec = ShardRecord(
+            shard_id=shard_id,
+            replica_id=p.desired.replica_id,
+            fingerprint=p.desired.fingerprint,
+            digest=p.digest,
+            spec=spec_without_secrets(pending.spec),
+            engine=engine.name,
+            model=p.desired.model,
+            boot_id=self._boot_id,
+            http_port=ports.http_port,
+            kv_events_port=ports.kv_events_port,
+            kv_replay_port=ports.kv_replay_port,
+            started_at=time.time(),
+            engine_path=commands[-1].path if commands else "",
+            visible_devices=commands[-1].env.get("CUDA_VISIBLE_DEVICES", "") if commands else "",
+            restarts=(prev.restarts + 1) if restarted and prev is not None else 0,
+            generation=(prev.generation + 1) if prev is not None else 1,
+        )
+        # Written before the wrapper exists: an agent killed in between
+        # leaves a record without a pid, and the next one kills the orphan by
+        # its marker instead of losing track of it.
+        write_model(d / "record.json", rec)
+        await before_spawn(rec)
+        launch = ShardLaunch(
+            shard_id=shard_id,
+            shard_dir=str(d),
+            commands=tuple(commands),
+            leader_addr=pending.spec.leader_addr,
+            leader_port=pending.spec.leader_port,
+            leader_wait_s=self.cfg.leader_wait_s,
+            grace_s=self.cfg.stop_grace_s,
+            log_max_bytes=self.cfg.log_max_bytes,
+            log_backups=self.cfg.log_backups,
+        )
+        env = dict(self._wrapper_env)
+        env[procs.MARKER_ENV] = shard_id
+        popen = await asyncio.to_thread(
+            _spawn, [*self.cfg.wrapper_argv, "--shard-dir", str(d)], env, d
+        )
+        await asyncio.to_thread(_feed, popen, launch.model_dump_json().encode())
+        rec = rec.model_copy(
+            update={
+                "wrapper_pid": popen.pid,
+                "wrapper_start_time": procs.proc_start_time(popen.pid),
+            }
+        )
+        write_model(d / "record.json", rec)
+        log.info(
+            "shard_started",
+            shard=shard_id,
+            wrapper_pid=popen.pid,
+            http_port=ports.http_port,
+            generation=rec.generation,
+            restarts=rec.restarts,
+        )
+        return ShardRuntime(
+            shard_id=shard_id,
+            dir=d,
+            record=rec,
+            phase="live",
+            engine=p.engine,
+            popen=popen,
+            started_mono=now,
+            prepared=p,
+            consecutive_failures=prev_rt.consecutive_failures if restarted and prev_rt else 0,
+        )
+
+    async def stop(self, rt: ShardRuntime) -> None:
+        """Stop the shard's wrapper and every marked process; wait until its GPUs are free."""
+        pid = rt.record.wrapper_pid
+        if wrapper_running(rt) and pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            # The wrapper itself escalates to SIGKILL after the grace period.
+            deadline = time.monotonic() + self.cfg.stop_grace_s + 10
+            while time.monotonic() < deadline:
+                if not wrapper_running(rt):
+                    break
+                # Polling /proc: a process that is not our child signals nothing.
+                await asyncio.sleep(0.05)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while procs.kill_marked(rt.shard_id) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        await self._wait_gpus_free(rt)
+        if rt.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rt.popen.wait(timeout=5)
+
+    async def _wait_gpus_free(self, rt: ShardRuntime) -> None:
+        """Where NVML exists, the shard's GPUs must show none of its processes."""
+        indices = list(rt.record.spec.get("gpu_indices") or [])
+        if not indices:
+            return
+        known = {p for p in (rt.engine_pid, rt.record.wrapper_pid) if p}
+        deadline = time.monotonic() + self.cfg.gpu_release_s
+        while time.monotonic() < deadline:
+            holders = self._gpus.pids_on(indices)
+            if not holders & known and not any(procs.has_marker(h, rt.shard_id) for h in holders):
+                return
+            await asyncio.sleep(0.2)
+        log.error("shard_gpus_not_released", shard=rt.shard_id, gpus=indices)
+
+
+def _spawn(argv: list[str], env: dict[str, str], shard_dir: Path) -> subprocess.Popen[bytes]:
+    """Start a wrapper in its own session, output to its own file: nothing ties it to the agent."""
+    with (shard_dir / "wrapper.log").open("ab") as wlog:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=wlog,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=shard_dir,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def _feed(popen: subprocess.Popen[bytes], data: bytes) -> None:
+    """Hand the launch to a new wrapper and close the pipe: afterwards nothing links them."""
+    assert popen.stdin is not None
+    try:
+        popen.stdin.write(data)
+    except BrokenPipeError:
+        # The wrapper died at once; its exit is observed on the next pass.
+        pass
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            popen.stdin.close()
