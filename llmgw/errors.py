@@ -12,13 +12,18 @@
 Callers catch at the level they mean: "is this the user's fault?" is
 ``isinstance(err, SpecError)``. Every message names the object, the bad value,
 the rule and the fix; ``field`` names the offending input where there is one.
-This module imports nothing of llmgw's, so every package (the pure ones
-included) may use it.
+A message that quotes what a client sent quotes it through ``clip``: an error
+must never cost more to send than the fix it names (a 4 MB model name once
+came back as a 4 MB 404). This module imports nothing of llmgw's, so every
+package (the pure ones included) may use it.
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 __all__ = [
+    "MAX_ECHO_CHARS",
     "AuthError",
     "ConfigError",
     "ConflictError",
@@ -27,7 +32,20 @@ __all__ = [
     "NotFoundError",
     "PlacementError",
     "SpecError",
+    "clip",
 ]
+
+# Enough to recognise any name a person typed (model names rarely pass 100 characters),
+# small enough that an error about a hostile value stays a small answer.
+MAX_ECHO_CHARS: Final = 200
+
+
+def clip(text: str) -> str:
+    """``text`` as an error message may quote it: at most ``MAX_ECHO_CHARS`` characters, the
+    cut marked with "…" so a reader knows it is not the whole value."""
+    if len(text) <= MAX_ECHO_CHARS:
+        return text
+    return text[: MAX_ECHO_CHARS - 1] + "…"
 
 
 class LlmgwError(Exception):

@@ -1,7 +1,8 @@
 """`llmgw agent`: run the node agent (llmgw/nodeagent/agent.py) until SIGTERM or Ctrl-C.
 
 Stopping it leaves every engine running (they run under their own
-wrappers); the next start adopts them.
+wrappers); the next start adopts them. It runs on uvloop where installed, as the control
+plane does (llmgw.eventloop): the proxy relays every token of every engine on this node.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def agent(
     import asyncio
     import signal
 
+    from llmgw import eventloop
     from llmgw.config import default_data_dir, load_settings
-    from llmgw.logs import configure_logging
+    from llmgw.logs import configure_logging, log_to_file
     from llmgw.nodeagent.agent import Agent, AgentOptions
 
     flags: dict[str, object] = {
@@ -78,6 +80,10 @@ def agent(
         if v is not None
     }
     settings = load_settings(config, **({"agent": flags} if flags else {}))
+    if settings.log.file:
+        log_to_file(
+            settings.log.file, max_bytes=settings.log.max_bytes, backups=settings.log.backups
+        )
     configure_logging(settings.log.level, json=settings.log.json_lines)
     root = (
         Path(settings.agent.state_dir) if settings.agent.state_dir else default_data_dir() / "agent"
@@ -94,4 +100,4 @@ def agent(
             loop.add_signal_handler(sig, stop.set)
         await node_agent.run(stop)
 
-    asyncio.run(main())
+    eventloop.run(main())

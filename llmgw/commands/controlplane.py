@@ -45,7 +45,8 @@ def controlplane(
     from llmgw.controlplane.public_app import create_public_app
     from llmgw.controlplane.server import ConfigReload, Listener, serve
     from llmgw.embedded_postgres import libpq_url
-    from llmgw.logs import configure_logging, get_logger
+    from llmgw.listeners import FD_RESERVE, ListenerLimits
+    from llmgw.logs import configure_logging, get_logger, log_to_file
 
     overrides: dict[str, dict[str, object]] = {}
     for section, key, value in (
@@ -57,6 +58,10 @@ def controlplane(
         if value is not None:
             overrides.setdefault(section, {})[key] = value
     settings = load_settings(config, **overrides)
+    if settings.log.file:
+        log_to_file(
+            settings.log.file, max_bytes=settings.log.max_bytes, backups=settings.log.backups
+        )
     configure_logging(settings.log.level, json=settings.log.json_lines)
     cp, gw = settings.controlplane, settings.gateway
     # One KV index per process: the agent API (internal listener) feeds it, the gateway's
@@ -77,6 +82,14 @@ def controlplane(
             host=cp.internal_host,
             port=cp.internal_port,
             setting="controlplane.internal_port",
+            limits=ListenerLimits(
+                listener="internal",
+                max_connections=cp.max_connections,
+                max_header_bytes=cp.max_header_bytes,
+                header_timeout_s=cp.header_timeout_s,
+                connections_setting="controlplane.max_connections",
+                header_bytes_setting="controlplane.max_header_bytes",
+            ),
         ),
         Listener(
             name="public",
@@ -84,6 +97,14 @@ def controlplane(
             host=gw.host,
             port=gw.port,
             setting="gateway.port",
+            limits=ListenerLimits(
+                listener="public",
+                max_connections=gw.max_connections,
+                max_header_bytes=gw.max_header_bytes,
+                header_timeout_s=gw.header_timeout_s,
+                connections_setting="gateway.max_connections",
+                header_bytes_setting="gateway.max_header_bytes",
+            ),
         ),
     ]
     get_logger("llmgw.controlplane").info(
@@ -98,4 +119,9 @@ def controlplane(
         settings,
         reconciler=internal.state.reconciler,
     )
-    eventloop.run(serve(listeners, grace_s=cp.shutdown_grace_s, on_reload=reload))
+    # Besides its listeners' connections the process holds the database pool (up to twice
+    # its size on bursts) and the gateway's connections to engines.
+    fd_reserve = FD_RESERVE + 2 * cp.db_pool_size + gw.upstream_pool_size
+    eventloop.run(
+        serve(listeners, grace_s=cp.shutdown_grace_s, fd_reserve=fd_reserve, on_reload=reload)
+    )

@@ -10,9 +10,12 @@ vLLM >= 0.29's fixed default). Heavy imports stay inside the function so
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from llmgw.listeners import ListenerLimits
 
 __all__ = ["simengine"]
 
@@ -84,6 +87,29 @@ def simengine(
         int,
         typer.Option("--max-body-bytes", help="Larger request bodies get 413 (default 16 MiB)."),
     ] = 16 * 1024 * 1024,
+    max_header_bytes: Annotated[
+        int,
+        typer.Option(
+            "--max-header-bytes",
+            help="Larger request lines plus headers get 431 and a close (default 64 KiB).",
+        ),
+    ] = 64 * 1024,
+    header_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--header-timeout-s",
+            help="Seconds a request's line and headers may take to arrive, from the "
+            "connection's open or their first byte; slower clients get 408 (default 10).",
+        ),
+    ] = 10.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            "--max-connections",
+            help="Open connections at most, lowered to what the descriptor limit allows; "
+            "past it the oldest idle one is closed, or the new one (default 4096).",
+        ),
+    ] = 4096,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the simulator engine (what the `sim` engine adapter starts)."""
@@ -132,13 +158,35 @@ def simengine(
             hash_seed=_hash_seed(os.environ.get("PYTHONHASHSEED")),
             api_key=os.environ.get("SIMENGINE_API_KEY") or None,
         )
+        limits = _limits(max_connections, max_header_bytes, header_timeout_s)
     except LlmgwError as exc:
         get_logger(__name__).error("simengine_config_invalid", error=exc.message, field=exc.field)
         typer.echo(f"llmgw simengine: {exc.message}", err=True)
         raise typer.Exit(2) from None
     from llmgw.simengine.server import serve
 
-    serve(config, log_level=log_level)
+    serve(config, limits=limits, log_level=log_level)
+
+
+def _limits(max_connections: int, max_header_bytes: int, header_timeout_s: float) -> ListenerLimits:
+    from llmgw.errors import ConfigError
+    from llmgw.listeners import ListenerLimits
+
+    for flag, ok, rule in (
+        ("--max-connections", max_connections >= 16, "at least 16"),
+        ("--max-header-bytes", max_header_bytes >= 4096, "at least 4096"),
+        ("--header-timeout-s", header_timeout_s > 0, "above 0"),
+    ):
+        if not ok:
+            raise ConfigError(f"{flag} must be {rule}; pass a larger value", field=flag)
+    return ListenerLimits(
+        listener="simengine",
+        max_connections=max_connections,
+        max_header_bytes=max_header_bytes,
+        header_timeout_s=header_timeout_s,
+        connections_setting="--max-connections",
+        header_bytes_setting="--max-header-bytes",
+    )
 
 
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:

@@ -101,6 +101,7 @@ def up(
         config_path=config,
         internal_host=settings.controlplane.internal_host,
         sim_gpus=sim_gpus,
+        agent_listen_host=settings.agent.listen_host,
     )
     aio = AllInOne(opts, say=lambda msg: typer.echo(msg, err=True), show=typer.echo)
     # SIGHUP too: a closed terminal or ssh session is a request to stop, not a reason to leave

@@ -109,6 +109,39 @@ class AgentSettings(Section):
     proxy_port: int = Field(
         default=9401, ge=0, le=65535, description="The engines' authenticating proxy."
     )
+    proxy_max_connections: int = Field(
+        default=4096,
+        ge=16,
+        le=1_000_000,
+        description="Open connections of the engine proxy at most (default 4,096; each may "
+        "hold a second one to its engine), lowered at start to what the descriptor limit "
+        "allows beside the engines' own. At the cap a new connection evicts the oldest one "
+        "idle or still sending its headers; when every connection is inside a request, it "
+        "is closed as soon as accepted.",
+    )
+    listen_max_connections: int = Field(
+        default=256,
+        ge=16,
+        le=100_000,
+        description="Open connections of the /healthz and /metrics listener at most "
+        "(default 256), with the proxy's eviction rule.",
+    )
+    max_header_bytes: int = Field(
+        default=64 << 10,
+        ge=4 << 10,
+        le=16 << 20,
+        description="Largest request line plus headers the proxy and the /healthz listener "
+        "read (default 64 KiB); a larger head is answered 431 and its connection closed, "
+        "before the key is checked.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Time a request's line and headers may take to arrive at the proxy or "
+        "the /healthz listener, from the connection's open or from their first byte "
+        "(default 10 s); a slower client is answered 408 and closed.",
+    )
     health_interval_s: float = Field(default=2.0, gt=0, le=60)
     start_timeout_s: float = Field(
         default=900.0, gt=0, description="Longest an engine may take to answer health."

@@ -88,6 +88,31 @@ class ControlPlaneSettings(Section):
         "Keep it off the public network.",
     )
     internal_port: int = Field(default=8081, ge=0, le=65535)
+    max_connections: int = Field(
+        default=10_000,
+        ge=16,
+        le=1_000_000,
+        description="Open connections of the internal listener at most (default 10,000: a "
+        "thousand agents hold two or three each), lowered at start to what the descriptor "
+        "limit allows. At the cap a new connection evicts the oldest one idle or still "
+        "sending its headers, so a health check gets in; when every connection is inside a "
+        "request, it is closed as soon as accepted.",
+    )
+    max_header_bytes: int = Field(
+        default=64 << 10,
+        ge=4 << 10,
+        le=16 << 20,
+        description="Largest request line plus headers the internal listener reads (default "
+        "64 KiB); a larger head is answered 431 and its connection closed.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Time a request's line and headers may take to arrive on the internal "
+        "listener, from the connection's open or from their first byte (default 10 s); a "
+        "slower client is answered 408 and closed.",
+    )
     admin_token: str = Field(
         default="",
         description="Bearer token for the admin API; at least 16 characters. "

@@ -17,6 +17,30 @@ __all__ = ["GatewaySettings"]
 class GatewaySettings(Section):
     host: str = Field(default="127.0.0.1", description="Address of the public OpenAI endpoint.")
     port: int = Field(default=8080, ge=0, le=65535)
+    max_connections: int = Field(
+        default=10_000,
+        ge=16,
+        le=1_000_000,
+        description="Open connections of the public listener at most (default 10,000), lowered "
+        "at start to what the descriptor limit allows beside the database and upstream pools. "
+        "At the cap a new connection evicts the oldest one idle or still sending its headers; "
+        "when every connection is inside a request, it is closed as soon as accepted.",
+    )
+    max_header_bytes: int = Field(
+        default=64 << 10,
+        ge=4 << 10,
+        le=16 << 20,
+        description="Largest request line plus headers read (default 64 KiB); a larger head "
+        "is answered 431 and its connection closed, before it is parsed or authenticated.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Time a request's line and headers may take to arrive, from the "
+        "connection's open or from their first byte (default 10 s); a slower client is "
+        "answered 408 and closed. Idle keep-alive connections close after 5 s.",
+    )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024,
         ge=1024,

@@ -23,5 +23,25 @@ class LogSettings(Section):
     level: Literal["debug", "info", "warning", "error", "critical"] = "info"
     # None: JSON lines when stderr is not a terminal, console output when it is.
     json_lines: bool | None = Field(default=None, alias="json")
+    file: str = Field(
+        default="",
+        description="Write the process's log, and anything else it prints to stdout or "
+        "stderr, to this file instead, rotated at max_bytes. `llmgw up` sets it for its "
+        "children (<data dir>/logs/<child>.log). Empty: stderr (journald under systemd "
+        "rotates it itself).",
+    )
+    max_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        description="Size at which log.file is moved to <file>.1 and a new one started "
+        "(default 64 MiB). Checked every MiB written, so a file may pass it by up to that.",
+    )
+    backups: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description="Rotated log files kept (<file>.1 newest ... <file>.N); 0 keeps none. "
+        "Default 3: log.file takes at most (backups + 1) x max_bytes of disk.",
+    )
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

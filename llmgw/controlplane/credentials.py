@@ -1,7 +1,7 @@
 """The control plane's three secrets, their shapes, and how they are checked.
 
     API key           llmgw_<id>_<secret>         what clients of the gateway send
-    bootstrap token   llmgwb_<id>_<secret>        lets a new node register (design §5)
+    bootstrap token   llmgwb_<id>_<secret>        lets a new node register (docs/architecture.md §5)
     node credential   llmgwn_<node uuid>_<secret> what a registered node's agent presents
 
 Only SHA-256 of the secret is stored. A fast hash is right here: the secrets are 256 random

@@ -1,6 +1,6 @@
 """This control plane process in ``controlplane_instances``, and the list of live ones.
 
-Agents feed KV deltas to *every* live instance (design §5), and learn the list from sync
+Agents feed KV deltas to *every* live instance (docs/architecture.md §5), and learn the list from sync
 responses, so each process registers itself with its internal URL, heartbeats every
 ``period_s`` and is listed while seen within ``LIVE_PERIODS`` periods: a crashed process
 drops off the list within seconds without anyone deleting it. A clean shutdown deletes

@@ -19,6 +19,7 @@ from llmgw.engines import (
     KVHashParams,
     Profile,
     TRTLLMConfig,
+    check_secret_refs,
     profile_fingerprint,
 )
 from llmgw.errors import LlmgwError, SpecError
@@ -85,8 +86,12 @@ def check_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> s
     Raises SpecError naming the profile, the rule and the numbers. GPUs are not
     known yet (placement picks them), so only the GPU-independent rules apply here;
     the agent validates again against the node's real GPUs before starting.
+
+    A secret_env value must be a reference (the agent's own check, shared): a literal
+    secret refused here is never stored, copied into a shard's spec or sent to a node.
     """
     try:
+        check_secret_refs(fields["secret_env"])
         profile = engine_profile(name, fields, model=model)
         _REGISTRY.get(profile.engine).validate(profile, [])
     except LlmgwError as exc:

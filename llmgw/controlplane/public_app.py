@@ -7,7 +7,7 @@ listener's agent API feeds, shared so that the router scores against the blocks 
 to this very process.
 
 What it must not do: mount anything of the admin API, the agent API, metrics or the docs.
-Those live on the internal listener only (design §1): the admin token can set engine argv on
+Those live on the internal listener only (docs/architecture.md §1): the admin token can set engine argv on
 every node, so its API must not answer on an address published to clients.
 """
 

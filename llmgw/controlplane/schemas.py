@@ -227,7 +227,9 @@ class _ProfileFields(_Request):
     secret_env: dict[EnvName, SecretRef] = Field(
         default_factory=dict,
         max_length=LIMITS["env_items"],
-        description="Variable -> secret reference. Write-only: never returned, never logged. "
+        description="Variable -> secret reference: `env:NAME` (the agent's environment) or "
+        "`file:/path` (a file on the node), resolved by the node at launch; a value that is "
+        "not a reference is refused. Write-only: never returned, never logged. "
         "The fingerprint counts the variable names (adding one changes the process), never "
         "the references.",
     )

@@ -14,6 +14,11 @@ cuts open requests. When any server stops on its own, the others are stopped
 too: a control plane with half its listeners is not one. SIGHUP calls ``on_reload``
 (the command's config reload) and nothing else: a reload never stops a listener.
 
+Every listener runs under its ``ListenerLimits`` (llmgw/listeners.py: the head's size and
+deadline, the connection cap), with the caps fitted to the descriptor limit, raised to the
+hard one first, less ``fd_reserve`` for what the process holds besides (database and upstream
+pools, log files).
+
 What it must not do: install uvicorn's per-server signal handlers (each would
 replace the previous one, so only the last server would hear SIGTERM).
 """
@@ -34,6 +39,7 @@ from llmgw import eventloop
 from llmgw.config import Settings
 from llmgw.controlplane.reconcile.loop import Reconciler
 from llmgw.errors import ConfigError
+from llmgw.listeners import ListenerLimits, fit_connections, uvicorn_protocol
 from llmgw.logs import configure_logging, get_logger
 
 __all__ = ["ConfigReload", "Listener", "bind", "serve"]
@@ -48,6 +54,7 @@ class Listener:
     host: str
     port: int
     setting: str  # the settings key of the address, named when it cannot be bound
+    limits: ListenerLimits
 
 
 class _Server(uvicorn.Server):
@@ -198,10 +205,13 @@ async def serve(
     listeners: Sequence[Listener],
     *,
     grace_s: float,
+    fd_reserve: int,
     on_reload: Callable[[], None] | None = None,
 ) -> None:
     """Serve every listener until SIGTERM/SIGINT or until one of them stops; SIGHUP runs
-    ``on_reload`` (which must not raise: a bad config is its to log and refuse)."""
+    ``on_reload`` (which must not raise: a bad config is its to log and refuse).
+    ``fd_reserve``: descriptors kept apart from the listeners' connections."""
+    limits = fit_connections([lst.limits for lst in listeners], reserve=fd_reserve)
     sockets = []
     try:
         for lst in listeners:
@@ -218,9 +228,10 @@ async def serve(
                 access_log=False,  # RequestLog writes one line per request, with its id
                 timeout_graceful_shutdown=max(1, round(grace_s)),
                 lifespan="auto",
+                http=uvicorn_protocol(lim),
             )
         )
-        for lst in listeners
+        for lst, lim in zip(listeners, limits, strict=True)
     ]
     loop = asyncio.get_running_loop()
 
@@ -239,9 +250,16 @@ async def serve(
         asyncio.create_task(srv.serve(sockets=[sock]), name=f"listener-{lst.name}")
         for srv, sock, lst in zip(servers, sockets, listeners, strict=True)
     ]
-    for lst, sock in zip(listeners, sockets, strict=True):
+    for lst, sock, lim in zip(listeners, sockets, limits, strict=True):
         host, port = sock.getsockname()[:2]
-        log.info("listener_started", listener=lst.name, url=f"http://{_url_host(host)}:{port}")
+        log.info(
+            "listener_started",
+            listener=lst.name,
+            url=f"http://{_url_host(host)}:{port}",
+            max_connections=lim.max_connections,
+            max_header_bytes=lim.max_header_bytes,
+            header_timeout_s=lim.header_timeout_s,
+        )
     freeze = asyncio.create_task(_freeze_once_started(servers), name="freeze-heap")
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -56,6 +56,7 @@ from llmgw.engines.requirements import (
     check_replica_specs,
     placement_requirements,
 )
+from llmgw.engines.secret_refs import SecretReference, check_secret_refs, parse_secret_ref
 from llmgw.engines.spec import (
     CPU_GPU_CLASS,
     MAX_HASH_SEED,
@@ -100,6 +101,7 @@ __all__ = [
     "Readiness",
     "ReplicaId",
     "SGLangConfig",
+    "SecretReference",
     "ShardId",
     "ShardSpec",
     "SimConfig",
@@ -107,10 +109,12 @@ __all__ = [
     "VLLMConfig",
     "base_env_from",
     "check_replica_specs",
+    "check_secret_refs",
     "hash_seed_problem",
     "is_secret_name",
     "is_valid_hash_seed",
     "parse_gpus",
+    "parse_secret_ref",
     "parse_shard_spec",
     "placement_requirements",
     "profile_fingerprint",

@@ -1,7 +1,7 @@
 """A profile's fingerprint: which version of a profile a running shard was started from.
 
 The control plane stores it with each shard and rolls replicas whose
-fingerprint differs from the catalog's (design §3). It must change exactly
+fingerprint differs from the catalog's (docs/architecture.md §3). It must change exactly
 when the launched processes or their placement would change (issue 8 item
 10: with kv_events off, a new KV hash seed changed it though no command did,
 and would have rolled every replica). So it is not a hash of profile fields

@@ -1,4 +1,4 @@
-"""The `--kv-events-config` value shared by vLLM and the simulator (design §6).
+"""The `--kv-events-config` value shared by vLLM and the simulator (docs/architecture.md §6).
 
 This module must NOT choose ports: the agent allocates them and reports them
 in the shard's binding.

@@ -82,7 +82,7 @@ ShardId = NewType("ShardId", str)
 # shards threads instead of GPUs, and adapters hide every GPU from them.
 CPU_GPU_CLASS = "cpu"
 
-# The only block-hash algorithm llmgw's router reproduces (design §7): vLLM's
+# The only block-hash algorithm llmgw's router reproduces (docs/architecture.md §7): vLLM's
 # default `sha256` pickles, which no other process can hash identically.
 KV_HASH_ALGORITHM: Literal["sha256_cbor"] = "sha256_cbor"
 
@@ -91,7 +91,7 @@ KV_HASH_ALGORITHM: Literal["sha256_cbor"] = "sha256_cbor"
 # the router must match; the simulator takes it as a flag.
 ExtraKeyFormat = Literal["tagged", "legacy"]
 
-# How a multi-node vLLM replica is wired: Ray (design §6's default) or vLLM's
+# How a multi-node vLLM replica is wired: Ray (docs/architecture.md §6's default) or vLLM's
 # own multiprocess launcher (`--nnodes/--headless`). Other engines ignore it.
 MultinodeBackend = Literal["ray", "native"]
 
@@ -110,7 +110,7 @@ class Adapter(_Wire):
 
 class KVHashParams(_Wire):
     """The parameters the router needs to hash prompts exactly as the engine
-    hashes its KV blocks (design §3). Replicas whose parameters differ never
+    hashes its KV blocks (docs/architecture.md §3). Replicas whose parameters differ never
     share a block hash, so the router groups replicas by this value."""
 
     # Becomes PYTHONHASHSEED, which seeds vLLM's root hash (NONE_HASH). Empty
@@ -276,7 +276,7 @@ class ShardSpec(_Wire):
     http_port: int = Field(default=0, ge=0, le=65535)
     profile: Profile
     # Where the engine's HTTP server listens, set by the agent. Empty means
-    # 127.0.0.1: engines are no security boundary (design §6), so they are
+    # 127.0.0.1: engines are no security boundary (docs/architecture.md §6), so they are
     # reached through the agent's authenticating proxy unless the operator
     # declared the management network trusted.
     bind_addr: str = ""

@@ -2,7 +2,7 @@
 
 Holds ``encode_batch``/``decode_batch`` for payloads in both event shapes (positional tagged
 arrays, vLLM <= 0.23; tagged maps, >= 0.24) and both hash forms (uint64 or 32-byte digest). The
-byte layout is ``../shared/reference/vllm-kv-events.md`` §1, reproduced to the byte (msgspec's
+byte layout is what vLLM's publisher (``vllm/distributed/kv_events.py``) sends, reproduced to the byte (msgspec's
 choices included: float64 timestamps, map16 headers on structs with more than 15 fields). The
 frames around payloads live in ``llmgw.kv.frames``.
 

@@ -2,7 +2,7 @@
 
 Holds frozen dataclasses mirroring vLLM's ``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared`` and ``KVEventBatch``, field for field and in vLLM's declaration order (the
-positional wire form depends on that order; see ``../shared/reference/vllm-kv-events.md`` §1).
+positional wire form depends on that order, as ``vllm/distributed/kv_events.py`` declares it).
 A hash is either the 64-bit value events carry by default (int) or the full 32-byte digest
 (bytes, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 

@@ -4,7 +4,7 @@ Holds encoders/decoders for a live PUB message ``[topic, seq8, payload]``, a rep
 ``[b"", seq8]`` (as a DEALER sends it; a ROUTER sees the identity first), and replay replies in
 both shapes: ``[b"", seq8, payload]`` up to vLLM 0.25 and ``[b"", topic, seq8, payload]`` since
 0.26, each closed by an end marker with seq ``b"\\xff" * 8`` and an empty payload
-(``../shared/reference/vllm-kv-events.md`` §2). Payloads pass through untouched: parsing them is
+(vLLM's ``ZmqEventPublisher``). Payloads pass through untouched: parsing them is
 ``llmgw.kv.codec``'s job.
 
 Decoders raise ``KVDecodeError`` and nothing else: frames come from the network. This module

@@ -3,7 +3,7 @@
 Holds the root hash (``none_hash``), the chain (``hash_block``), the extra keys a block is
 salted with (``extra_keys_for_block``), the whole-prompt hasher (``block_hashes`` and
 ``BlockHasher``) and the 64-bit projection that KV events carry (``hash64``). The semantics
-are those of ``../shared/reference/vllm-kv-events.md`` §3 and §6:
+are those of vLLM's ``vllm/v1/core/kv_cache_utils.py`` (docs/architecture.md §7):
 
     parent_0 = NONE_HASH = sha256(cbor(seed))
     h_i      = sha256(cbor((parent_i, tuple(tokens[i*B:(i+1)*B]), extra_i)))   (canonical CBOR)

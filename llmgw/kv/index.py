@@ -11,7 +11,7 @@ the dict: the shard gets a fresh slot and the old bit becomes garbage that no ca
 match; a compaction pass reclaims dead bits once they outweigh a quarter of the live entries, so
 the cost is amortised over the inserts that made the garbage.
 
-Input is what agents send (design §5): per shard, uint64 hashes added and removed per medium
+Input is what agents send (docs/architecture.md §5): per shard, uint64 hashes added and removed per medium
 since a version, or a full copy; ``apply_change`` takes a ``MirrorDelta``/``MirrorSnapshot``.
 The index keeps no versions: the shell that talks to agents tracks them. Not thread-safe.
 This module must NOT do I/O or import the control plane: the router wraps it.

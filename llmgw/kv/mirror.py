@@ -6,7 +6,7 @@ changed since version v" as net added/removed hashes per medium, or as a full sn
 receiver's base is unknown or a reset (cache cleared, engine restart, unfillable gap) intervened.
 Every snapshot says why it is one; a view that may lack blocks is marked ``partial``.
 
-Reference counts (design §7, "honest views"): vLLM does not de-duplicate blocks and reports one
+Reference counts (docs/architecture.md §7, "honest views"): vLLM does not de-duplicate blocks and reports one
 BlockRemoved per physical block, so a store adds one reference and a removal takes one away; the
 hash is present while its count is above zero. Counting is what keeps a hash held by two physical
 blocks from vanishing when the first is evicted. Re-emitted stores (vLLM >= 0.26 with
@@ -163,7 +163,7 @@ class BlockMirror:
 
         A seq at or below the last applied one is a duplicate (a replay overlapping live
         traffic) and is dropped. Restarts are not inferred from seq going backwards: the
-        supervisor sees every engine start and calls ``engine_started`` (design §7).
+        supervisor sees every engine start and calls ``engine_started`` (docs/architecture.md §7).
         """
         expected = self.expected_seq
         if seq < expected:

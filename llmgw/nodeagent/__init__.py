@@ -1,4 +1,4 @@
-"""The node agent (`llmgw agent`): one per machine (design §1, §4, §5).
+"""The node agent (`llmgw agent`): one per machine (docs/architecture.md §1, §4, §5).
 
 Discovers the node (inventory/), registers with the control plane and pulls
 its desired shard set (sync.py, client.py over llmgw.protocol), runs each

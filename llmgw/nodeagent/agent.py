@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import socket
 import sys
 import time
@@ -25,6 +26,7 @@ from llmgw.config import AgentSettings
 from llmgw.engines import EngineRegistry, EnginesConfig, SimConfig, base_env_from
 from llmgw.engines.engine import host_port
 from llmgw.errors import ConfigError
+from llmgw.listeners import FD_RESERVE, ListenerLimits, fit_connections
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient
 from llmgw.nodeagent.inventory import (
@@ -43,7 +45,13 @@ from llmgw.nodeagent.state import AgentState
 from llmgw.nodeagent.supervisor import ShardHooks, Supervisor
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from llmgw.nodeagent.sync import SyncLoop, SyncTiming
-from llmgw.protocol import ControlPlaneInstance, FabricInfo, NodeInventory, SyncResponse
+from llmgw.protocol import (
+    MAX_SHARDS,
+    ControlPlaneInstance,
+    FabricInfo,
+    NodeInventory,
+    SyncResponse,
+)
 
 __all__ = ["Agent", "AgentOptions", "agent_version", "default_mgmt_addr"]
 
@@ -51,6 +59,9 @@ log = get_logger("llmgw.nodeagent")
 
 # How often the inventory is read again (XID/ECC counters, a GPU that fell off the bus).
 _INVENTORY_REFRESH_S = 30.0
+# Descriptors kept apart from the listeners' connections: per shard its ZMQ sockets, health
+# checks, and the log and record files the supervisor reads; /proc reads on top.
+_FD_RESERVE = FD_RESERVE + 8 * MAX_SHARDS
 
 
 def agent_version() -> str:
@@ -327,19 +338,52 @@ class Agent:
             state_dir=self.state.root,  # the relay keeps its mirrors in <root>/kv/
             auth_header=auth,
             verify_tls=self.settings.controlplane_ca_file or True,
+            allow_insecure_http=self.settings.allow_insecure_http,
             registry=self.metrics.registry,
         )
         hooks: ShardHooks = _KvHooks(self.relay)
         self.supervisor.hooks = hooks
 
-    async def _start_proxy(self) -> None:
+    def _listener_limits(self) -> tuple[ListenerLimits, ListenerLimits]:
+        """The proxy's and the /healthz listener's bounds, their caps fitted to the descriptor
+        limit (raised to the hard one): an agent that ran out of descriptors failed its
+        supervisor passes too (`too many open files` reading /proc)."""
+        s = self.settings
+        proxy, local = fit_connections(
+            [
+                ListenerLimits(
+                    listener="proxy",
+                    max_connections=s.proxy_max_connections,
+                    max_header_bytes=s.max_header_bytes,
+                    header_timeout_s=s.header_timeout_s,
+                    connections_setting="agent.proxy_max_connections",
+                    header_bytes_setting="agent.max_header_bytes",
+                    fds_per_connection=2,  # the client's, and the one to its engine
+                ),
+                ListenerLimits(
+                    listener="agent-metrics",
+                    max_connections=s.listen_max_connections,
+                    max_header_bytes=s.max_header_bytes,
+                    header_timeout_s=s.header_timeout_s,
+                    connections_setting="agent.listen_max_connections",
+                    header_bytes_setting="agent.max_header_bytes",
+                ),
+            ],
+            reserve=_FD_RESERVE,
+        )
+        return proxy, local
+
+    async def _start_proxy(self, limits: ListenerLimits) -> None:
         try:
             from llmgw.nodeagent.proxy import EngineProxy
         except ImportError:
             log.warning("engine_proxy_unavailable")
             return
         self.proxy = EngineProxy(
-            self.mgmt_addr, self.settings.proxy_port, metrics_token=self._metrics_token()
+            self.mgmt_addr,
+            self.settings.proxy_port,
+            metrics_token=self._metrics_token(),
+            limits=limits,
         )
         self.proxy_port = await self.proxy.start()
 
@@ -425,13 +469,21 @@ class Agent:
         )
         sync._observe_latency = self.metrics.sync_latency.observe
         self._start_relay()
+        proxy_limits, local_limits = self._listener_limits()
         self.endpoints = EndpointServer(
-            self.settings.listen_host, self.settings.listen_port, self.metrics.registry, self.health
+            self.settings.listen_host,
+            self.settings.listen_port,
+            self.metrics.registry,
+            self.health,
+            limits=local_limits,
         )
         port = await self.endpoints.start()
-        await self._start_proxy()
+        await self._start_proxy(proxy_limits)
         log.info(
             "agent_started",
+            event_loop=type(asyncio.get_running_loop()).__module__.partition(".")[0],
+            fd_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            proxy_max_connections=proxy_limits.max_connections,
             node_name=self.node_name,
             epoch=epoch,
             state_dir=str(self.state.root),

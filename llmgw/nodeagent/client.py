@@ -3,7 +3,9 @@
 TLS with certificate verification on every connection that leaves the
 machine; plain http only to loopback, or with the explicit
 `allow_insecure_http` setting (design §5): a node credential sent in clear
-text on a network lets anyone who sees it report as this node.
+text on a network lets anyone who sees it report as this node. ``check_url`` is that rule,
+for every URL the agent sends its credential to: the sync client's, and each control plane
+instance's the KV relay posts to (nodeagent/kvrelay/relay.py).
 
 Failures are sorted so the sync loop knows what it may retry:
 
@@ -79,21 +81,26 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_url(url: str, *, allow_insecure_http: bool) -> str:
-    """The URL without a trailing slash, or ConfigError when it breaks the TLS rule."""
+def check_url(
+    url: str, *, allow_insecure_http: bool, setting: str = "agent.controlplane_url"
+) -> str:
+    """The URL without a trailing slash, or ConfigError when it breaks the TLS rule.
+
+    ``setting``: where the URL comes from, named in the error (the agent's own setting, or
+    ``controlplane.advertise_url`` for an instance's URL a sync response carried)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(
-            f"control plane URL {url!r} is not an http(s) URL with a host; pass e.g. "
-            "https://cp.internal:8081",
-            field="agent.controlplane_url",
+            f"control plane URL {url!r} ({setting}) is not an http(s) URL with a host; set "
+            "it to e.g. https://cp.internal:8081",
+            field=setting,
         )
     if parts.scheme == "http" and not is_loopback_host(parts.hostname) and not allow_insecure_http:
         raise ConfigError(
-            f"control plane URL {url!r} is plain http to a host off this machine: the node "
-            "credential would cross the network in clear text. Use https://, or set "
-            "agent.allow_insecure_http = true on a network you trust",
-            field="agent.controlplane_url",
+            f"control plane URL {url!r} ({setting}) is plain http to a host off this machine: "
+            "the node credential would cross the network in clear text. Set it to an "
+            "https:// URL, or set agent.allow_insecure_http = true on a network you trust",
+            field=setting,
         )
     return url.rstrip("/")
 

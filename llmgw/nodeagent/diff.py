@@ -5,7 +5,7 @@ desired set and the whole local view every time and returns what to do now;
 running it again after the actions took effect returns nothing. The shell
 (supervisor.py) carries the actions out.
 
-Rules (design §4):
+Rules (docs/architecture.md §4):
 - start what is desired and missing; restart what exited once its backoff
   passed (at once when its spec changed: a new spec deserves a fresh try);
 - adopt what survived an agent restart when its spec is still the desired

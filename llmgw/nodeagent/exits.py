@@ -3,8 +3,10 @@
 What a shard that ended leaves behind is read back (its exit file, else the wrapper's own
 exit status), described for the control plane, and its log's tail kept; its processes that
 outlived the wrapper are killed (they would hold its port and GPUs). A failure counts towards
-the crash loop, and the next start is put off by an exponential backoff. While a wrapper runs,
-a pass only learns its engine's pid (procs.json, written once the commands run).
+the crash loop, and the next start is put off by an exponential backoff; a stop that was asked
+for (the record's ``stopped_reason``: the agent exiting, or `llmgw up` after it) is no failure,
+and is reported as what it was. While a wrapper runs, a pass only learns its engine's pid
+(procs.json, written once the commands run).
 
 This module must NOT start anything, nor decide whether a shard is restarted (diff.py): it
 only says when it may be.
@@ -44,12 +46,17 @@ def observe_exits(runtimes: Iterable[ShardRuntime], now: float, cfg: SupervisorC
 
 
 def found_exited(rt: ShardRuntime, now: float) -> None:
-    """A shard whose wrapper was gone when the agent started: due for a restart at once."""
+    """A shard whose wrapper was gone when the agent started: due for a restart at once (a
+    start, if what ended it was a stop its record says was asked for)."""
     kill_leftovers(rt.shard_id)
     rt.last_exit = read_exit(rt.dir)
-    _read_back(rt)
+    _read_back(rt, found=True)
     rt.restart_at = now
-    log.info("shard_found_exited", shard=rt.shard_id, reason=rt.exit_reason)
+    log.info(
+        "shard_found_stopped" if rt.record.stopped_reason else "shard_found_exited",
+        shard=rt.shard_id,
+        reason=rt.exit_reason,
+    )
 
 
 def refresh_engine_pid(rt: ShardRuntime) -> None:
@@ -77,6 +84,17 @@ def _on_exit(rt: ShardRuntime, now: float, cfg: SupervisorConfig) -> None:
             error="the wrapper ended without an exit file (see wrapper.log)",
         )
     rt.popen = None
+    rt.phase = "exited"
+    rt.health = "starting"
+    rt.was_ready = False
+    rt.engine_pid = None
+    _read_back(rt, found=False)
+    if rt.record.stopped_reason:
+        # The stop an earlier agent asked for, finished under this one (that agent was killed
+        # while its engines stopped): no failure to count, nothing to wait for.
+        rt.restart_at = now
+        log.info("shard_stopped_on_purpose", shard=rt.shard_id, reason=rt.exit_reason)
+        return
     uptime = (
         now - rt.started_mono
         if rt.started_mono is not None
@@ -90,11 +108,6 @@ def _on_exit(rt: ShardRuntime, now: float, cfg: SupervisorConfig) -> None:
         cfg.restart_backoff_min_s * 2 ** (rt.consecutive_failures - 1),
     )
     rt.restart_at = now + backoff
-    rt.phase = "exited"
-    rt.health = "starting"
-    rt.was_ready = False
-    rt.engine_pid = None
-    _read_back(rt)
     event = (
         "shard_crash_looping" if rt.consecutive_failures >= cfg.crash_loop_after else "shard_exited"
     )
@@ -107,10 +120,23 @@ def _on_exit(rt: ShardRuntime, now: float, cfg: SupervisorConfig) -> None:
     )
 
 
-def _read_back(rt: ShardRuntime) -> None:
-    """Why the shard ended (from ``rt.last_exit``) and the end of the log that says more."""
-    rt.exit_reason = _describe(rt.last_exit)
-    rt.tail = log_tail(rt.dir / "logs", rt.last_exit.command if rt.last_exit else "")
+def _read_back(rt: ShardRuntime, *, found: bool) -> None:
+    """Why the shard ended (from ``rt.last_exit`` and the record) and the end of the log that
+    says more.
+
+    A record noting a stop asked for (``stopped_reason``) is believed only when the exit agrees:
+    the wrapper says it was stopped, or, for a shard ``found`` ended at the agent's start, left
+    nothing (an agent whose stop timed out, or `llmgw up` after it, killed the whole shard). A
+    command that exited on its own first is a crash whatever was asked afterwards, and so is a
+    wrapper killed while this agent watched (nobody who asked for a stop is left to kill it);
+    the reason is then dropped from the record in memory, and the next start counts a restart."""
+    ex = rt.last_exit
+    stopped_reason = rt.record.stopped_reason
+    if stopped_reason and not (ex.stopped if ex is not None else found):
+        stopped_reason = ""
+        rt.record = rt.record.model_copy(update={"stopped_reason": ""})
+    rt.exit_reason = stopped_reason or _describe(ex)
+    rt.tail = "" if stopped_reason else log_tail(rt.dir / "logs", ex.command if ex else "")
 
 
 def _describe(ex: ShardExit | None) -> str:

@@ -71,8 +71,11 @@ class PendingStart:
     commands: list[Command]
     # The runtime of the shard's previous life on this node, if any.
     prev: ShardRuntime | None
-    # The same desired spec run again after an exit: a restart, not a new start.
+    # The same desired spec run again after an exit of its own: a restart, not a new start.
     restarted: bool
+    # The record's restart count for this start: one more after a restart, kept after a stop
+    # that was asked for (records.ShardRecord.stopped_reason), zero for a new spec.
+    restarts: int
 
 
 def wrapper_running(rt: ShardRuntime) -> bool:
@@ -194,8 +197,14 @@ class Launcher:
                 if x not in kept
             )
             raise StartFailed(e.message) from None
-        restarted = prev_rt is not None and prev is not None and prev.digest == p.digest
-        return PendingStart(p, d, ports, spec, commands, prev_rt, restarted)
+        same_spec = prev is not None and prev.digest == p.digest
+        # A shard stopped on purpose (its agent exiting) comes back with a start, not a
+        # restart: nothing crashed, and a count that grew with every Ctrl-C of `llmgw up`
+        # would hide the crashes it is there to show. exits.py clears the reason when what
+        # ended the shard was not that stop.
+        restarted = same_spec and prev is not None and not prev.stopped_reason
+        restarts = 0 if prev is None or not same_spec else prev.restarts + int(restarted)
+        return PendingStart(p, d, ports, spec, commands, prev_rt, restarted, restarts)
 
     # --- running it ------------------------------------------------------------------
 
@@ -231,7 +240,7 @@ class Launcher:
             started_at=time.time(),
             engine_path=commands[-1].path if commands else "",
             visible_devices=commands[-1].env.get("CUDA_VISIBLE_DEVICES", "") if commands else "",
-            restarts=(prev.restarts + 1) if restarted and prev is not None else 0,
+            restarts=pending.restarts,
             generation=(prev.generation + 1) if prev is not None else 1,
         )
         # Written before the wrapper exists: an agent killed in between
@@ -283,10 +292,18 @@ class Launcher:
             consecutive_failures=prev_rt.consecutive_failures if restarted and prev_rt else 0,
         )
 
-    async def stop(self, rt: ShardRuntime) -> None:
-        """Stop the shard's wrapper and every marked process; wait until its GPUs are free."""
+    async def stop(self, rt: ShardRuntime, *, on_purpose: str = "") -> None:
+        """Stop the shard's wrapper and every marked process; wait until its GPUs are free.
+
+        ``on_purpose``: why, for a stop whose record is kept for a later start (the agent
+        exiting); noted in the record (``stopped_reason``) before the wrapper is signalled, so
+        that even an agent killed mid-stop leaves the next one a stop, not a crash, to read."""
         pid = rt.record.wrapper_pid
-        if wrapper_running(rt) and pid is not None:
+        running = wrapper_running(rt)
+        if on_purpose and running:
+            rt.record = rt.record.model_copy(update={"stopped_reason": on_purpose})
+            write_model(rt.dir / "record.json", rt.record)
+        if running and pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             # The wrapper itself escalates to SIGKILL after the grace period.

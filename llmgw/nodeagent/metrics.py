@@ -2,7 +2,9 @@
 
 The endpoints listen on a local port (agent.listen_host, loopback by
 default): they say nothing an operator on the node should not see, and
-nothing on them takes an action.
+nothing on them takes an action. The listener runs under ``limits`` (llmgw/listeners.py:
+the head's size and deadline, the connection cap); aiohttp's low-level server, as the proxy's,
+since the bounds are applied where a connection is handled, and two routes need no router.
 """
 
 from __future__ import annotations
@@ -17,9 +19,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.listeners import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    ListenerLimits,
+    aiohttp_server,
+)
+
 __all__ = ["AgentMetrics", "EndpointServer"]
 
 _STATES = ("starting", "ready", "unhealthy", "draining", "exited", "failed")
+
+# What the agent's settings default to (agent.listen_max_connections, agent.max_header_bytes,
+# agent.header_timeout_s).
+DEFAULT_LIMITS = ListenerLimits(
+    listener="agent-metrics",
+    max_connections=256,
+    max_header_bytes=DEFAULT_MAX_HEADER_BYTES,
+    header_timeout_s=DEFAULT_HEADER_TIMEOUT_S,
+    connections_setting="agent.listen_max_connections",
+    header_bytes_setting="agent.max_header_bytes",
+)
 
 
 class _StateCollector(Collector):
@@ -84,33 +104,37 @@ class EndpointServer:
         port: int,
         registry: CollectorRegistry,
         health: Callable[[], dict[str, Any]],
+        *,
+        limits: ListenerLimits = DEFAULT_LIMITS,
     ) -> None:
         self._host = host
         self._port = port
         self._registry = registry
         self._health = health
-        self._runner: web.AppRunner | None = None
+        self.limits = limits
+        self._runner: web.ServerRunner | None = None
         self.port = 0
         self.started_at = time.time()
 
-    async def _healthz(self, _req: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self._health()), content_type="application/json")
-
-    async def _metrics(self, _req: web.Request) -> web.Response:
+    async def _handle(self, request: web.BaseRequest) -> web.Response:
+        # No body is read: nothing here takes one.
+        if request.path not in ("/healthz", "/metrics"):
+            return web.Response(status=404, text="not found: GET /healthz or /metrics\n")
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text=f"method {request.method} not allowed: use GET\n")
+        if request.path == "/healthz":
+            return web.Response(text=json.dumps(self._health()), content_type="application/json")
         return web.Response(
             body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def start(self) -> int:
-        app = web.Application(client_max_size=1024)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        server = aiohttp_server(self._handle, self.limits, access_log=None)
+        self._runner = web.ServerRunner(server, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
+        sockets = getattr(site._server, "sockets", None) or []
         self.port = int(sockets[0].getsockname()[1]) if sockets else self._port
         return self.port
 

@@ -20,6 +20,8 @@ CPU, 1500 requests through each to a simulator, 8 concurrent, 2026-11) the two a
 either way: 0.46 vs 0.39 ms per streamed 32-token completion (uvicorn+httptools ahead), 0.29 vs
 0.35 ms per plain one (aiohttp ahead). One framework for both sides of the proxy and no second
 server stack in the agent decided it. Errors use OpenAI's shape, since the gateway relays them.
+The listener runs under ``limits`` (llmgw/listeners.py): a head past its cap is answered 431
+and one slower than its deadline 408 before step 1, and connections are capped.
 This module must NOT log keys or request bodies, nor import the control plane.
 """
 
@@ -37,9 +39,15 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from llmgw.bodies import BodyTooLarge, read_capped
+from llmgw.listeners import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    ListenerLimits,
+    aiohttp_server,
+)
 from llmgw.logs import get_logger
 
-__all__ = ["ALLOWED_PATHS", "EngineProxy", "ProxyRoute"]
+__all__ = ["ALLOWED_PATHS", "DEFAULT_LIMITS", "EngineProxy", "ProxyRoute"]
 
 _log = get_logger(__name__)
 
@@ -64,6 +72,19 @@ _HOP_BY_HOP = frozenset(
 # Encoded dot, slash or backslash: decoded by some engines' routers after our check.
 _ENCODED_TRAVERSAL = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
 _SHARD_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,200}")
+
+
+# What the agent's settings default to (agent.proxy_max_connections, agent.max_header_bytes,
+# agent.header_timeout_s); each connection may hold a second one, to its engine.
+DEFAULT_LIMITS = ListenerLimits(
+    listener="proxy",
+    max_connections=4096,
+    max_header_bytes=DEFAULT_MAX_HEADER_BYTES,
+    header_timeout_s=DEFAULT_HEADER_TIMEOUT_S,
+    connections_setting="agent.proxy_max_connections",
+    header_bytes_setting="agent.max_header_bytes",
+    fds_per_connection=2,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +137,14 @@ class EngineProxy:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float | None = 600.0,
         metrics_token: str = "",
+        limits: ListenerLimits = DEFAULT_LIMITS,
     ) -> None:
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self._upstream_host = upstream_host
         # No total timeout: a long generation streams for minutes. A read timeout catches an
         # engine that stopped answering mid-stream.
@@ -146,7 +169,7 @@ class EngineProxy:
             timeout=self._timeout,
             auto_decompress=False,  # pass bytes through untouched, Content-Encoding and all
         )
-        server = web.Server(self._handle)
+        server = aiohttp_server(self._handle, self.limits)
         self._runner = web.ServerRunner(server, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -40,6 +40,7 @@ __all__ = [
     "ShardRecord",
     "atomic_write",
     "list_shard_dirs",
+    "mark_stopped",
     "read_exit",
     "read_procs",
     "read_record",
@@ -92,6 +93,12 @@ class ShardRecord(_Rec):
     # engine that can fall back to the CPU which GPUs its build sees.
     engine_path: str = ""
     visible_devices: str = ""
+    # Why the shard was stopped on purpose and kept for the next agent (its agent exiting
+    # with --stop-engines-on-exit, or `llmgw up` stopping what a dead agent left); empty while
+    # it runs and after an end of its own. It is what tells a stop that was asked for from a
+    # crash: the next start of such a shard reports this reason and is a start, not a restart
+    # (`restarts` unchanged), or every Ctrl-C of `llmgw up` would read as a crash.
+    stopped_reason: str = ""
 
 
 class ShardProc(_Rec):
@@ -186,6 +193,18 @@ def read_record(shard_dir: Path) -> ShardRecord:
             f"{shard_dir / 'record.json'}: names shard {rec.shard_id!r} but sits in "
             f"{shard_dir.name!r}; a record is only trusted in its own shard's directory"
         )
+    return rec
+
+
+def mark_stopped(shard_dir: Path, reason: str) -> ShardRecord | None:
+    """Note in the shard's record that it is being stopped on purpose (`stopped_reason`); the
+    record as written, or None when there is no readable record to note it in."""
+    try:
+        rec = read_record(shard_dir)
+    except (FileNotFoundError, RecordError):
+        return None
+    rec = rec.model_copy(update={"stopped_reason": reason})
+    write_model(shard_dir / "record.json", rec)
     return rec
 
 

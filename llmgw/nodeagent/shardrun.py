@@ -1,4 +1,4 @@
-"""`llmgw shard-run`: the wrapper that owns one shard's processes (design §4).
+"""`llmgw shard-run`: the wrapper that owns one shard's processes (docs/architecture.md §4).
 
 The agent starts one wrapper per shard in a new session and hands it the
 launch (commands with their complete environments, which hold the engine's

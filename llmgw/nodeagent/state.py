@@ -8,7 +8,7 @@
 
 The credential is what the control plane trusts this node by; anyone who
 reads it can report as this node, so it is 0600 in a 0700 directory and
-never logged. The cluster id is the guard of design §4: a control plane
+never logged. The cluster id is the guard of docs/architecture.md §4: a control plane
 that answers with another cluster id (a restored or foreign database) is
 not obeyed.
 """

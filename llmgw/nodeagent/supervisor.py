@@ -311,15 +311,15 @@ class Supervisor:
         self.notes[shard_id] = why
         self._retry_at[shard_id] = now + self.cfg.start_retry_s
 
-    def _begin_stop(self, rt: ShardRuntime, *, then: str) -> None:
+    def _begin_stop(self, rt: ShardRuntime, *, then: str, on_purpose: str = "") -> None:
         rt.phase = "stopping"
         rt.after_stop = "restart" if then == "restart" else "forget"
-        task = asyncio.create_task(self._stop(rt))
+        task = asyncio.create_task(self._stop(rt, on_purpose))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _stop(self, rt: ShardRuntime) -> None:
-        await self._launcher.stop(rt)
+    async def _stop(self, rt: ShardRuntime, on_purpose: str = "") -> None:
+        await self._launcher.stop(rt, on_purpose=on_purpose)
         self.counters["stops"] += 1
         log.info("shard_stopped", shard=rt.shard_id, then=rt.after_stop)
         if rt.after_stop == "forget":
@@ -339,10 +339,13 @@ class Supervisor:
 
     async def stop_all(self, *, exit_reason: str) -> None:
         """Stop every shard and wait until all have stopped, keeping their records: the next
-        agent starts the same shards at once (`llmgw agent --stop-engines-on-exit`)."""
+        agent starts the same shards at once (`llmgw agent --stop-engines-on-exit`).
+
+        Each record that ran notes ``exit_reason`` as a stop asked for (launch.py), so the next
+        agent reports that reason and starts the shard without counting a restart."""
         for rt in list(self.runtimes.values()):
             if rt.phase != "stopping":
-                self._begin_stop(rt, then="restart")
+                self._begin_stop(rt, then="restart", on_purpose=exit_reason)
         await self.idle()
         for rt in self.runtimes.values():
             rt.exit_reason = exit_reason

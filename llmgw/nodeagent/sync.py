@@ -1,4 +1,4 @@
-"""The sync loop: register once, then pull the desired shard set and report bindings (design §5).
+"""The sync loop: register once, then pull the desired shard set and report bindings (docs/architecture.md §5).
 
 Every ~2 s (jittered so a thousand agents restarted together do not sync in
 step) the agent posts its bindings, its inventory when it changed, and the

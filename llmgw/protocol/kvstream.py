@@ -1,4 +1,4 @@
-"""The KV-delta stream: what an agent POSTs to each control plane instance (design §5).
+"""The KV-delta stream: what an agent POSTs to each control plane instance (docs/architecture.md §5).
 
 One request carries one shard's change: ``reset`` (drop what you hold, then take ``added`` as the
 whole view) or a delta from ``base_version`` to ``new_version``. Hashes travel as packed

@@ -1,4 +1,4 @@
-"""Registration and declarative sync between a node agent and the control plane (design §5).
+"""Registration and declarative sync between a node agent and the control plane (docs/architecture.md §5).
 
 HTTP + JSON on the control plane's internal listener:
 

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmgw.errors import SpecError
+from llmgw.errors import SpecError, clip
 
 __all__ = ["render_chat"]
 
@@ -32,8 +32,8 @@ def _content_text(content: Any, index: int) -> str:
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise SpecError(
-                    f"messages[{index}].content has a part of type {kind!r}; the simulator "
-                    "serves text only: send text parts",
+                    f"messages[{index}].content has a part of type {clip(str(kind))!r}; the "
+                    "simulator serves text only: send text parts",
                     field=f"messages[{index}].content",
                 )
         return "".join(parts)

@@ -25,13 +25,13 @@ import asyncio
 import hmac
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Literal, Protocol
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from llmgw.bodies import ClientGone
-from llmgw.errors import AuthError, ConflictError, LlmgwError, NotFoundError, SpecError
+from llmgw.errors import AuthError, ConflictError, LlmgwError, NotFoundError, SpecError, clip
 from llmgw.simengine.api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,10 +71,6 @@ __all__ = [
 ]
 
 
-class _HasErrors(Protocol):
-    def errors(self) -> Any: ...
-
-
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -83,6 +79,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+# A prompt of a million wrong items is a million validation errors: the message names the
+# first few, enough to fix the request, and counts the rest.
+_SHOWN_ERRORS = 3
 
 
 def status_of(exc: LlmgwError) -> int:
@@ -101,19 +100,23 @@ def status_of(exc: LlmgwError) -> int:
     return 500
 
 
-def validation_message(exc: _HasErrors) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg', '')}"
-        for e in exc.errors()
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
+    """A validation error's list as one message: its first few errors, each clipped."""
+    shown = "; ".join(
+        clip(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e.get('msg', '')}")
+        for e in errors[:_SHOWN_ERRORS]
     )
+    more = len(errors) - _SHOWN_ERRORS
+    return f"{shown} (and {more} more)" if more > 0 else shown
 
 
 def spec_error_of(exc: ValidationError) -> SpecError:
     """A pydantic error as a 400 whose `param` is the first offending top-level field."""
+    # Built once: a million wrong items are a million errors, and building them is seconds.
     errors = exc.errors(include_url=False)
     loc = errors[0].get("loc", ()) if errors else ()
     field = str(loc[0]) if loc else None
-    return SpecError(validation_message(exc), field=field)
+    return SpecError(validation_message(errors), field=field)
 
 
 class GenerationRoutes:
@@ -277,7 +280,7 @@ def resolve_model(engine: SimEngine, name: str | None) -> tuple[str, str | None]
         return name, name
     have = ", ".join([cfg.served_model_name, *(m.name for m in cfg.lora_modules)])
     raise NotFoundError(
-        f"The model `{name}` does not exist (this engine serves: {have}).", field="model"
+        f"The model `{clip(name)}` does not exist (this engine serves: {have}).", field="model"
     )
 
 

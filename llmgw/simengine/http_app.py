@@ -95,7 +95,7 @@ def build_app(engine: SimEngine) -> ASGIApp:
     @api.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         return Response(
-            error_body(validation_message(exc), status=400),
+            error_body(validation_message(exc.errors()), status=400),
             status_code=400,
             media_type="application/json",
         )

@@ -13,10 +13,12 @@ anywhere but the one announcement the user asked for.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shlex
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +33,7 @@ from llmgw.logs import get_logger
 __all__ = [
     "API_KEY_FILE",
     "DEMO_MARKER",
+    "Commands",
     "Demo",
     "Progress",
     "announcement",
@@ -338,6 +341,24 @@ def probe_gateway(base_url: str, api_key: str, model: str | None) -> bool:
 # --- what is printed ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Commands:
+    """How the printed examples call llmgw's own Python and CLI: by the paths of the
+    environment `up` runs in, since a newcomer's PATH has neither (the install puts `llmgw`
+    in .venv/bin only, and the system's python3 has no openai client)."""
+
+    python: str  # the interpreter running `up` (the virtual environment's)
+    llmgw: str  # the `llmgw` script beside it, else `<python> -m llmgw`
+    has_openai: bool  # whether that interpreter can import the openai client
+
+    @classmethod
+    def of_this_process(cls) -> Commands:
+        python = sys.executable
+        script = Path(python).with_name("llmgw")
+        llmgw = shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(python)} -m llmgw"
+        return cls(python, llmgw, importlib.util.find_spec("openai") is not None)
+
+
 def announcement(
     *,
     base_url: str,
@@ -348,22 +369,31 @@ def announcement(
     psql: str,
     models: list[str],
     took_s: float,
+    commands: Commands,
+    agent_metrics: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The block printed once everything works; its examples are a shell snippet that runs
-    as printed (tests/up runs it)."""
+    as printed, in any shell, whatever its PATH (tests/up runs it)."""
     data_flag = f" --data-dir {shlex.quote(str(data_dir))}"
+    none_yet = f"(none yet: {commands.llmgw} apply -f FILE)"
+    metrics = "".join(f"  Agent metrics:    {url}   (node {node})\n" for node, url in agent_metrics)
     return (
         f"\nllmgw is up ({took_s:.1f}s).\n"
         f"  OpenAI base URL:  {base_url}\n"
         f"  API key:          {api_key}\n"
-        f"  Models:           {', '.join(models) if models else '(none yet: llmgw apply -f FILE)'}\n"
+        f"  Models:           {', '.join(models) if models else none_yet}\n"
         f"  Admin API:        {admin_url}/admin/v1   (OpenAPI: {admin_url}/docs)\n"
         f"  Admin token:      {admin_token}\n"
         f"  Data dir:         {data_dir}   (up.json there holds all of this for scripts)\n"
-        f"  Status:           llmgw status{data_flag}\n"
+        f"  Status:           {commands.llmgw} status{data_flag}\n"
+        f"{metrics}"
         f"  Database:         {psql}\n"
         "\nTry it (copy and paste):\n\n"
-        + (_examples(base_url, api_key, models) if models else _list_models(base_url, api_key))
+        + (
+            _examples(base_url, api_key, models, commands)
+            if models
+            else _list_models(base_url, api_key)
+        )
         + "\nPress Ctrl-C to stop (engines, agent, control plane, then Postgres).\n"
     )
 
@@ -373,7 +403,7 @@ def _list_models(base_url: str, api_key: str) -> str:
     return f"curl -sS {base_url}/models -H {auth}; echo\n"
 
 
-def _examples(base_url: str, api_key: str, models: list[str]) -> str:
+def _examples(base_url: str, api_key: str, models: list[str], commands: Commands) -> str:
     """curl and the openai client, each plain and streaming; the stream uses the second name
     (the demo's LoRA adapter)."""
     model = models[0]
@@ -400,8 +430,8 @@ def _examples(base_url: str, api_key: str, models: list[str]) -> str:
         f"  -H 'Content-Type: application/json' -d {q(chat)}; echo\n"
         f"curl -sSN {base_url}/chat/completions -H {auth} \\\n"
         f"  -H 'Content-Type: application/json' -d {q(stream)}\n"
-        "# the openai client: pip install openai\n"
-        "python3 - <<'PY'\n"
+        + _openai_client(commands)
+        + f"{q(commands.python)} - <<'PY'\n"
         "from openai import OpenAI\n"
         f"client = OpenAI(base_url={base_url!r}, api_key={api_key!r})\n"
         f"reply = client.chat.completions.create(model={model!r}, max_tokens=32, "
@@ -413,4 +443,16 @@ def _examples(base_url: str, api_key: str, models: list[str]) -> str:
         '        print(chunk.choices[0].delta.content or "", end="", flush=True)\n'
         "print()\n"
         "PY\n"
+    )
+
+
+def _openai_client(commands: Commands) -> str:
+    # The interpreter is named by its path: `python3` would be the system's, without the
+    # client (ModuleNotFoundError). Where the client is missing (an install without the dev
+    # extra), the snippet installs it into that same environment first.
+    if commands.has_openai:
+        return "# the openai client, with the Python of llmgw's environment\n"
+    return (
+        "# the openai client, installed into llmgw's environment\n"
+        f"{shlex.quote(commands.python)} -m pip install -q openai\n"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import httpx
@@ -53,8 +53,11 @@ class BringUp:
         say: Callable[[str], None],
         show: Callable[[str], None],
         started_at: float,
+        agent_metrics: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.opts = opts
+        # (node name, /metrics URL) per agent, the simulated GPUs' agent first.
+        self._agent_metrics = list(agent_metrics)
         self._token = admin_token
         self._cp = controlplane
         self._pg = pg
@@ -174,6 +177,12 @@ class BringUp:
             "models": models,
             "pid": os.getpid(),
         }
+        # The agents' own metrics (supervisor, sync, KV relay): `up` chose their ports, so
+        # nothing else says where they are. The first agent's (the simulated GPUs', which run
+        # the demo; the real GPUs' with --sim-gpus 0) is agent_metrics_url; a second agent,
+        # for this machine's real GPUs, adds agent_gpu_metrics_url.
+        for i, (_node, url) in enumerate(self._agent_metrics[:2]):
+            info["agent_metrics_url" if i == 0 else "agent_gpu_metrics_url"] = url
         api.write_private(opts.data_dir / UP_JSON, json.dumps(info, indent=2) + "\n")
         log.info("up_ready", took_s=round(took_s, 2))
         self._show(
@@ -186,5 +195,7 @@ class BringUp:
                 psql=f"PGPASSWORD=$(cat {pg.app_password_path}) psql {database_url}",
                 models=models,
                 took_s=took_s,
+                commands=api.Commands.of_this_process(),
+                agent_metrics=self._agent_metrics,
             )
         )

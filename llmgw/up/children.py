@@ -22,7 +22,7 @@ from pathlib import Path
 
 from llmgw.embedded_postgres import die_with_parent
 from llmgw.errors import ConfigError, ConflictError
-from llmgw.logs import get_logger
+from llmgw.logs import get_logger, rotate_file
 from llmgw.up.bootstrap import write_private
 
 __all__ = [
@@ -38,8 +38,12 @@ __all__ = [
 log = get_logger("llmgw.up")
 
 CHILDREN_JSON = "children.json"
-# A child's log is moved aside at start past this size: a long-lived `up` must not fill the disk.
+# A child rotates its own log while it runs (log.file, which start() sets; its log.max_bytes
+# and log.backups, 64 MiB and 3 by default). What it wrote before its logging was set up, or
+# a crash at import, lands in the same file: moved aside here at the same size, so a child
+# that crash-loops before it can rotate cannot fill the disk either.
 _LOG_ROTATE_BYTES = 64 << 20
+_LOG_BACKUPS = 3
 # A leftover agent stops its engines before it exits: each gets its SIGTERM grace.
 _LEFTOVER_STOP_TIMEOUT_S = 60.0
 
@@ -104,8 +108,12 @@ class Child:
     extra: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
-        if self.log_path.exists() and self.log_path.stat().st_size > _LOG_ROTATE_BYTES:
-            os.replace(self.log_path, self.log_path.with_suffix(".log.1"))
+        if self.log_path.exists() and self.log_path.stat().st_size >= _LOG_ROTATE_BYTES:
+            rotate_file(self.log_path, _LOG_BACKUPS)
+        # The child writes its log to this file itself and rotates it by size (llmgw.logs
+        # log_to_file): a long-lived `up` must not fill the disk. Before, the file only moved
+        # aside at a restart, and an agent flooded with errors wrote 77 MB in 40 s.
+        env = {**self.env, "LLMGW_LOG__FILE": str(self.log_path)}
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as out:
             # Own session: a Ctrl-C in the terminal reaches `up` alone, which stops the children
@@ -113,7 +121,7 @@ class Child:
             # the parent-death signal stops them instead of leaving them orphaned.
             self.popen = subprocess.Popen(
                 self.argv,
-                env=self.env,
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -198,18 +206,21 @@ def stop_leftovers(data_dir: Path, say: Callable[[str], None]) -> None:
 
 def stop_orphan_engines(state_dir: Path) -> None:
     """Kill every process of a shard the agent did not stop (it was dead, or hung past its
-    timeout): the agent forgets the shards it stopped, so those left are still running."""
+    timeout): a shard the agent stopped has no process left, so whatever carries a marker was
+    left running. Each record killed notes the stop, so the next agent starts it again without
+    counting a crash (records.ShardRecord.stopped_reason)."""
     from llmgw.nodeagent.procs import kill_marked
-    from llmgw.nodeagent.records import RecordError, list_shard_dirs, read_record
+    from llmgw.nodeagent.records import RecordError, list_shard_dirs, mark_stopped, read_record
 
     for d in list_shard_dirs(state_dir / "shards"):
         try:
             shard_id = read_record(d).shard_id
-        except RecordError:
+        except (FileNotFoundError, RecordError):
             continue
         killed = kill_marked(shard_id)
         if killed:
             log.warning("engine_killed_after_agent", shard=shard_id, pids=killed)
+            mark_stopped(d, "stopped when `llmgw up` stopped (its agent had not stopped it)")
         deadline = time.monotonic() + 10
         while kill_marked(shard_id) and time.monotonic() < deadline:
             time.sleep(0.05)

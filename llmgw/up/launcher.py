@@ -112,6 +112,8 @@ class AllInOne:
         self._stop = threading.Event()
         self._pg: EmbeddedPostgres | None = None
         self._children: dict[str, Child] = {}
+        # Per agent child: its node's name and where its /metrics answers (bringup prints it).
+        self._agent_metrics: dict[str, tuple[str, str]] = {}
         self._t0 = time.monotonic()
 
     def request_stop(self, *_: object) -> None:
@@ -263,6 +265,11 @@ class AllInOne:
                 "-"
             )
             env["LLMGW_AGENT__SYNC_INTERVAL_S"] = _SYNC_S
+            # Its /metrics port is chosen and kept the same way: a scrape target that survives
+            # the agent's restarts and the next `up`; bringup prints it and puts it in up.json,
+            # since nothing else would say where it is.
+            metrics_port = _kept_port(opts.data_dir / f"{name}.metrics_port")
+            self._agent_metrics[name] = (node_name, opts.agent_metrics_url(metrics_port))
             # One agent next to its control plane: retry a refused sync within a second (the
             # control plane starts alongside it), and see an engine become ready within half
             # a second; both would be wasteful across a thousand nodes, not on one.
@@ -274,7 +281,7 @@ class AllInOne:
                 "--bootstrap-token-file", str(token_file),
                 "--state-dir", str(state_dir),
                 "--node-name", node_name,
-                "--listen-port", "0",
+                "--listen-port", str(metrics_port),
                 "--stop-engines-on-exit",
             ]  # fmt: skip
             if sim_gpus:
@@ -318,6 +325,7 @@ class AllInOne:
             say=self._say,
             show=self._show,
             started_at=self._t0,
+            agent_metrics=list(self._agent_metrics.values()),
         )
         while not self._stop.wait(_TICK_S):
             if not postgres_alive(pg, self._stop):

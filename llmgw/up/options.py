@@ -26,10 +26,16 @@ class UpOptions:
     internal_host: str = "127.0.0.1"
     sim_gpus: int = 8
     demo_path: Path | None = None  # None: config/demo.yaml of this source tree
+    # Where the agents' /healthz and /metrics listen (agent.listen_host); `up` picks their
+    # ports, so it is `up` that says where to scrape them.
+    agent_listen_host: str = "127.0.0.1"
 
     @property
     def admin_url(self) -> str:
         return _http_url(_connectable(self.internal_host), self.admin_port)
+
+    def agent_metrics_url(self, port: int) -> str:
+        return _http_url(_connectable(self.agent_listen_host), port) + "/metrics"
 
     @property
     def base_url(self) -> str:

@@ -184,3 +184,161 @@ def test_apply_body_bounds(client: httpx.Client) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "documents"
     r = client.post("/apply", json={"documents": [], "dryrun": True})
     assert r.status_code == 422 and r.json()["error"]["field"] == "dryrun"
+
+
+def _results(client: httpx.Client, docs: list[dict[str, Any]], dry_run: bool) -> Any:
+    r = client.post("/apply", json={"documents": docs, "dry_run": dry_run})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _profile_doc(model: str, profile: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": "profile", "name": profile, "model": model, "engine": "sim",
+            "model_path": "/models/demo", **extra}  # fmt: skip
+
+
+def _deployment_doc(model: str, profile: str, dep: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": "deployment", "name": dep, "model": model, "profile": profile, **extra}
+
+
+def test_a_configured_object_lists_its_changes_and_the_replicas_it_rolls(
+    client: httpx.Client, cp: ControlPlane
+) -> None:
+    model, p1, p2, moving, staying = name("m"), name("p"), name("p"), name("d"), name("d")
+    ref, new_ref = f"file:/run/secrets/{name('hf')}", f"file:/run/secrets/{name('hf')}"
+    stored = [
+        {"kind": "model", "name": model, "description": "before"},
+        _profile_doc(model, p1, args=["--max-num-seqs", "8"], env={"OLD": "1"},
+                     secret_env={"HF_TOKEN": ref, "GONE": ref}),
+        _profile_doc(model, p2, args=["--max-num-seqs", "4"]),
+        _deployment_doc(model, p1, moving, replicas=4),
+        _deployment_doc(model, p1, staying, replicas=3),
+    ]  # fmt: skip
+    _apply(client, stored)
+    before = client.get(f"/profiles/{p1}").json()
+    rows = _rows(cp)
+    docs = [
+        {"kind": "model", "name": model, "description": "after"},
+        _profile_doc(model, p1, args=["--max-num-seqs", "16"], env={"NEW": "2"},
+                     secret_env={"HF_TOKEN": new_ref, "WANDB_API_KEY": ref}),
+        _deployment_doc(model, p2, moving, replicas=2),
+    ]  # fmt: skip
+    r = _results(client, docs, dry_run=True)
+    assert ref not in r.text and new_ref not in r.text  # references are write-only
+    m, p, d = r.json()["results"]
+    assert [x["result"] for x in (m, p, d)] == ["configured"] * 3
+    assert m["changes"] == [
+        {"field": "description", "change": "changed", "old": "before", "new": "after",
+         "secret": False},
+    ]  # fmt: skip
+    assert (m["rolls"], m["rolled_deployments"]) == (0, [])
+    changes = {c["field"]: c for c in p["changes"]}
+    assert changes["args"]["old"] == ["--max-num-seqs", "8"]
+    assert changes["args"]["new"] == ["--max-num-seqs", "16"]
+    assert (changes["env.OLD"]["change"], changes["env.OLD"]["old"]) == ("removed", "1")
+    assert (changes["env.NEW"]["change"], changes["env.NEW"]["new"]) == ("added", "2")
+    assert {(c["field"], c["change"], c["old"], c["new"]) for c in p["changes"] if c["secret"]} == {
+        ("secret_env.HF_TOKEN", "changed", None, None),
+        ("secret_env.WANDB_API_KEY", "added", None, None),
+        ("secret_env.GONE", "removed", None, None),
+    }
+    assert changes["fingerprint"]["old"] == before["fingerprint"]
+    assert set(changes) == {
+        "args", "env.OLD", "env.NEW", "secret_env.HF_TOKEN", "secret_env.WANDB_API_KEY",
+        "secret_env.GONE", "fingerprint",
+    }  # fmt: skip
+    # The deployment that moves to p2 rolls by its own document, once; the one that stays
+    # on p1 by the profile's.
+    assert (p["rolls"], p["rolled_deployments"]) == (3, [staying])
+    assert [(c["field"], c["old"], c["new"]) for c in d["changes"]] == [
+        ("profile", p1, p2),
+        ("replicas", 4, 2),
+    ]
+    assert (d["rolls"], d["rolled_deployments"]) == (2, [moving])
+    assert _rows(cp) == rows
+
+    # The same documents applied: the same report, and now it is true.
+    applied = _results(client, docs, dry_run=False).json()["results"]
+    assert applied == r.json()["results"]
+    assert _results(client, docs, dry_run=True).json()["results"] == [
+        {**x, "result": "unchanged", "changes": [], "rolls": 0, "rolled_deployments": []}
+        for x in applied
+    ]
+
+
+def test_a_change_that_keeps_the_fingerprint_rolls_nothing(client: httpx.Client) -> None:
+    model, profile, dep, twin = name("m"), name("p"), name("d"), name("p")
+    _apply(client, [
+        {"kind": "model", "name": model},
+        _profile_doc(model, profile), _profile_doc(model, twin),
+        _deployment_doc(model, profile, dep, replicas=2),
+    ])  # fmt: skip
+    docs = [
+        _profile_doc(model, profile, description="only words"),
+        # Another profile with the same launch fields: the same fingerprint, nothing restarts.
+        _deployment_doc(model, twin, dep, replicas=5, state="active"),
+    ]
+    p, d = _results(client, docs, dry_run=True).json()["results"]
+    assert [c["field"] for c in p["changes"]] == ["description"] and p["rolls"] == 0
+    assert [c["field"] for c in d["changes"]] == ["profile", "replicas"] and d["rolls"] == 0
+    suspended = [_deployment_doc(model, profile, dep, replicas=2, state="suspended"),
+                 _profile_doc(model, profile, args=["--max-num-seqs", "2"])]  # fmt: skip
+    d, p = _results(client, suspended, dry_run=True).json()["results"]
+    assert [(c["field"], c["old"], c["new"]) for c in d["changes"]] == [
+        ("state", "active", "suspended")
+    ]
+    # A suspended deployment keeps its replicas as they are until it resumes.
+    assert (p["result"], p["rolls"]) == ("configured", 0)
+
+
+def test_references_of_schema_invalid_documents_are_checked_in_the_same_pass(
+    client: httpx.Client, cp: ControlPlane
+) -> None:
+    model, typo_profile, bad_profile = name("m"), name("p"), name("p")
+    rows = _rows(cp)
+    docs = [
+        {"kind": "model", "name": model},
+        # A typo, and a model that exists nowhere.
+        {"kind": "profile", "name": bad_profile, "model": "missing-model", "engine": "sim",
+         "model_pth": "/m"},
+        # A typo, and a profile that exists nowhere.
+        {"kind": "deployment", "name": name("d"), "model": model, "profile": "missing-profile",
+         "replica": 3},
+        # A profile defined in this file counts as present, even one with a problem of its own.
+        {"kind": "deployment", "name": name("d"), "model": model, "profile": typo_profile},
+        {"kind": "profile", "name": typo_profile, "model": model, "engine": "sim",
+         "model_path": "/m", "tp": "two"},
+        # ... but it must be a profile of the deployment's model.
+        {"kind": "deployment", "name": name("d"), "model": model, "profile": bad_profile},
+        {"kind": "profile", "name": name("p"), "model": model, "engine": "sim",
+         "model_path": "/m", "adapters": [{"name": "a", "pth": "/a"}]},
+        {"kind": "deploymnet", "name": name("d")},
+    ]  # fmt: skip
+    r = client.post("/apply", json={"documents": docs})
+    assert r.status_code == 422, r.text
+    problems = r.json()["error"]["problems"]
+    assert [(p["index"], p["field"]) for p in problems] == [
+        (1, "model_path"), (1, "model_pth"), (1, "model"),
+        (2, "replica"), (2, "profile"),
+        (4, "tp"),
+        (5, "profile"),
+        (6, "adapters.0.path"), (6, "adapters.0.pth"),
+        (7, "kind"),
+    ], problems  # fmt: skip
+    message = {(p["index"], p["field"]): p["message"] for p in problems}
+    assert message[1, "model_pth"] == "unknown field `model_pth`; did you mean `model_path`?"
+    assert message[2, "replica"] == "unknown field `replica`; did you mean `replicas`?"
+    assert message[6, "adapters.0.pth"] == (
+        "unknown field `adapters.0.pth`; did you mean `adapters.0.path`?"
+    )
+    assert "did you mean `deployment`?" in message[7, "kind"]
+    assert "missing-model" in message[1, "model"] and "kind: model" in message[1, "model"]
+    assert "missing-profile" in message[2, "profile"]
+    assert "missing-model" in message[5, "profile"] and model in message[5, "profile"]
+    assert _rows(cp) == rows
+
+
+def test_an_unknown_field_with_no_near_name_lists_the_fields(client: httpx.Client) -> None:
+    r = client.post("/apply", json={"documents": [{"kind": "model", "name": "x", "colour": 1}]})
+    [problem] = r.json()["error"]["problems"]
+    assert problem["message"] == "unknown field `colour`; the fields here are: name, description"

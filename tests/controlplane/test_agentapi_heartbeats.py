@@ -1,4 +1,4 @@
-"""Unchanged syncs write nothing but the batched heartbeat (design §5).
+"""Unchanged syncs write nothing but the batched heartbeat (docs/architecture.md §5).
 
 Writes are counted two ways: exactly, by row triggers this test adds to its throwaway
 database (which transaction touched which table), and as the statistics collector sees them

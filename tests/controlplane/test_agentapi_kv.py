@@ -1,5 +1,5 @@
 """The KV-delta endpoint over real HTTP: authentication from memory, the placed map from the
-database (never a query per request), and the intake's answers (design §5)."""
+database (never a query per request), and the intake's answers (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sync over real HTTP against a real Postgres (design §5).
+"""Sync over real HTTP against a real Postgres (docs/architecture.md §5).
 
 The ETag (unchanged vs changed), the desired set with its GPUs, report ordering by
 (epoch, seq), own-shards-only in both directions, authentication before the body, the

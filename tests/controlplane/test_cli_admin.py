@@ -137,6 +137,82 @@ profile: missing-profile
     assert _counts(cp) == rows
 
 
+def test_dry_run_prints_each_changed_field_and_the_roll(cp: ControlPlane, tmp_path: Path) -> None:
+    model, profile, dep = name("m"), name("p"), name("d")
+    f = tmp_path / "fleet.yaml"
+    f.write_text(_fleet_yaml(model, profile, dep, replicas=4))
+    assert run_cli(cp, "apply", "-f", str(f)).exit_code == 0
+    old_fp = sql(cp.db_url, "SELECT fingerprint FROM profiles WHERE name = %s", (profile,))[0][0]
+    ref = f"file:/run/secrets/{name('hf')}"
+    changed = (
+        _fleet_yaml(model, profile, dep, replicas=2)
+        .replace('"8"]', '"16"]')
+        .replace(
+            "model_path: /models/demo",
+            f"model_path: /models/demo\nsecret_env: {{HF_TOKEN: '{ref}'}}",
+        )
+    )
+    f.write_text(changed)
+    rows = _counts(cp)
+    dry = run_cli(cp, "apply", "-f", str(f), "--dry-run")
+    assert dry.exit_code == 0, dry.stderr
+    assert _counts(cp) == rows
+    # A real apply keeps its one line per object, and gets the fingerprint the dry run showed.
+    assert run_cli(cp, "apply", "-f", str(f)).stdout.splitlines() == [
+        f"model/{model} unchanged", f"profile/{profile} configured", f"deployment/{dep} configured",
+    ]  # fmt: skip
+    new_fp = sql(cp.db_url, "SELECT fingerprint FROM profiles WHERE name = %s", (profile,))[0][0]
+    assert dry.stdout.splitlines() == [
+        f"model/{model} unchanged (dry run)",
+        f"profile/{profile} configured (dry run)",
+        '    args: ["--max-num-seqs", "8"] → ["--max-num-seqs", "16"]',
+        "    secret_env.HF_TOKEN: added (value not shown)",
+        f"    fingerprint: {old_fp[:12]} → {new_fp[:12]}",
+        f"    would roll 2 replicas (deployment {dep})",
+        f"deployment/{dep} configured (dry run)",
+        "    replicas: 4 → 2",
+        "    no roll",
+    ], dry.stdout
+    assert ref not in dry.stdout
+
+
+def test_apply_lists_schema_and_reference_problems_in_one_pass(
+    cp: ControlPlane, tmp_path: Path
+) -> None:
+    model = name("m")
+    f = tmp_path / "bad.yaml"
+    f.write_text(
+        f"""\
+kind: model
+name: {model}
+---
+kind: profile
+name: {name("p")}
+model: missing-model
+engine: sim
+model_path: /m
+threds: 4
+---
+kind: deployment
+name: {name("d")}
+model: {model}
+profile: missing-profile
+replica: 2
+"""
+    )
+    rows = _counts(cp)
+    result = run_cli(cp, "apply", "-f", str(f))
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 4, result.stderr
+    assert errors[0].endswith("unknown field `threds`; did you mean `threads`?"), errors
+    assert "document 2" in errors[1] and "model 'missing-model' does not exist" in errors[1]
+    assert errors[2].endswith("unknown field `replica`; did you mean `replicas`?"), errors
+    assert "document 3" in errors[3] and "profile 'missing-profile' does not exist" in errors[3]
+    assert "nothing was applied: 4 problem(s)" in result.stderr
+    assert _counts(cp) == rows
+
+
 def test_apply_refuses_what_is_not_a_fleet_file(cp: ControlPlane, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: model\nname: [unclosed\n")

@@ -1,4 +1,4 @@
-"""Leader election and fencing against a real Postgres (design §4).
+"""Leader election and fencing against a real Postgres (docs/architecture.md §4).
 
 Exactly one of several control planes holds the reconcile lock; a takeover bumps the
 epoch; a leader whose lock died can never apply (check_epoch refuses its epoch); and an

@@ -1,4 +1,4 @@
-"""A whole fleet as real processes on loopback, for the end-to-end tests (design §10).
+"""A whole fleet as real processes on loopback, for the end-to-end tests (docs/architecture.md §10).
 
 Real `llmgw controlplane` processes (each with its internal listener, reconcile loop and
 agent API) on one test database, real `llmgw agent --sim-gpus N` processes that run `sim`
@@ -7,12 +7,12 @@ the GPUs (the agent's ``--sim-gpus`` inventory).
 
 Periods are short so a scenario settles in seconds: agents sync every 0.3 s, the
 reconciler ticks every 0.3 s, a draining replica stops after 1 s at the latest. A node
-is declared gone after 4 s without a sync: well over 5 sync periods (design §10), since
+is declared gone after 4 s without a sync: well over 5 sync periods (docs/architecture.md §10), since
 on 2 cores shared with other test runs an agent busy starting engines was seen to miss
 2 s of syncs, and its replicas were replaced under the test's feet.
 
 What it must not do: leave processes behind. Engines survive their agent on purpose
-(design §4: the agent never takes its engines down with it), so ``close`` signals every
+(docs/architecture.md §4: the agent never takes its engines down with it), so ``close`` signals every
 shard's marked processes by the shard ids the database knows, after the agents stop.
 """
 

@@ -74,8 +74,8 @@ def test_every_module_has_a_docstring_and_all() -> None:
         ), path.name
 
 
-# Flags each engine's real CLI has, per ../shared/reference/engines.md (section
-# noted). `ray start` flags beyond the reference's example are marked in vllm.py.
+# Flags each engine's real CLI has, as each engine's own argument parser or docs define
+# them (section noted). `ray start` flags beyond the reference's example are marked in vllm.py.
 REFERENCE_FLAGS = {
     # §1 vLLM
     "vllm": {

@@ -264,7 +264,7 @@ def test_kill_9_in_turn_engine_agent_leader_postgres(
 
     # --- nothing recorded lost ---------------------------------------------------------
     assert fleet.desired_state() == keys_before, "keys or desired state changed"
-    # The gateways' last flush: SIGTERM flushes what is left (design §9) before exiting.
+    # The gateways' last flush: SIGTERM flushes what is left (docs/architecture.md §9) before exiting.
     for cp in (new_a, cp_b):
         cp.signal(signal.SIGTERM)
     for cp in (new_a, cp_b):

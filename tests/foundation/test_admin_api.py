@@ -102,9 +102,10 @@ def test_crud_round_trip(client: httpx.Client, controlplane: Any) -> None:
     model = _model(client)
     assert client.get(f"/admin/v1/models/{model}").json()["description"] == "d"
     assert model in [m["name"] for m in client.get("/admin/v1/models").json()["items"]]
-    profile = _profile(client, model, secret_env={"HF_TOKEN": "vault:hf"}, args=["--x", "1"])
+    ref = "file:/run/secrets/hf"
+    profile = _profile(client, model, secret_env={"HF_TOKEN": ref}, args=["--x", "1"])
     assert profile["secret_env_keys"] == ["HF_TOKEN"]
-    assert "vault:hf" not in client.get(f"/admin/v1/profiles/{profile['name']}").text
+    assert ref not in client.get(f"/admin/v1/profiles/{profile['name']}").text
     assert len(profile["fingerprint"]) == 64
     dep = _deployment(client, model, profile["name"], replicas=2)
     assert dep["replicas"] == 2 and dep["version"] == 1

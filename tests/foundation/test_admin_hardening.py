@@ -16,7 +16,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import psycopg
 import pytest
+
+from llmgw.embedded_postgres import libpq_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,14 +194,17 @@ def test_a_planted_secret_appears_in_no_log_and_no_reply(
     model = f"m-{secrets.token_hex(3)}"
     assert client.post("/admin/v1/models", json={"name": model}).status_code == 201
     base = {"model": model, "engine": "sim", "model_path": "/m"}
+    # A reference is write-only too: the planted text as a file name is never shown back.
+    ref = f"file:/run/secrets/{secret}"
     bodies: list[dict[str, Any]] = [
-        {**base, "name": f"p-{secrets.token_hex(3)}", "secret_env": {"HF_TOKEN": secret}},
+        {**base, "name": f"p-{secrets.token_hex(3)}", "secret_env": {"HF_TOKEN": ref}},
+        {**base, "name": "p-bad0", "secret_env": {"HF_TOKEN": secret}},
         {**base, "name": "p-bad1", "secret_env": {"HF_TOKEN": secret + "\ud800"}},
-        {**base, "name": "p-bad2", "secret_env": {"HF_TOKEN": secret, "1BAD": "x"}},
+        {**base, "name": "p-bad2", "secret_env": {"HF_TOKEN": ref, "1BAD": "x"}},
         {**base, "name": "p-bad3", "secret_env": {"HF_TOKEN": secret * 100}},
-        {**base, "name": "p-bad4", "secret_env": {"HF_TOKEN": secret}, "tp": 0},
-        {**base, "name": "p-bad5", "secret_env": {"HF_TOKEN": secret}, "colour": secret},
-        {**base, "name": "p-bad6", "secret_env": {"HF_TOKEN": secret}, "engine": "nope"},
+        {**base, "name": "p-bad4", "secret_env": {"HF_TOKEN": ref}, "tp": 0},
+        {**base, "name": "p-bad5", "secret_env": {"HF_TOKEN": ref}, "colour": secret},
+        {**base, "name": "p-bad6", "secret_env": {"HF_TOKEN": ref}, "engine": "nope"},
     ]
     replies = []
     for body in bodies:
@@ -213,14 +219,71 @@ def test_a_planted_secret_appears_in_no_log_and_no_reply(
     assert all(r.status_code in (404, 422) for r in replies[1:]), [r.text for r in replies]
     r = client.patch(
         f"/admin/v1/profiles/{bodies[0]['name']}",
-        json={"version": 1, "secret_env": {"HF_TOKEN": secret + "2"}},
+        json={"version": 1, "secret_env": {"HF_TOKEN": ref + "2"}},
     )
+    assert r.status_code == 200, r.text
     replies.append(r)
     replies.append(client.get(f"/admin/v1/profiles/{bodies[0]['name']}"))
     replies.append(client.get("/admin/v1/profiles"))
     for r in replies:
         assert secret not in r.text, r.text
     # The process's whole log, written by the time each reply was read (one writer, unbuffered).
+    assert secret not in controlplane.log.read_text()
+
+
+def _holding(db_url: str, text: str) -> list[str]:
+    """The tables with a row whose text holds ``text``: where a secret could have landed."""
+    found = []
+    with psycopg.connect(libpq_url(db_url), autocommit=True) as conn:
+        for table in ("profiles", "deployments", "shards", "audit_log"):
+            query = f"SELECT count(*) FROM {table} t WHERE t::text LIKE %s"
+            row = conn.execute(query, (f"%{text}%",)).fetchone()
+            if row is not None and row[0]:
+                found.append(table)
+    return found
+
+
+def test_a_literal_secret_is_refused_before_anything_is_written(
+    client: httpx.Client, controlplane: Any
+) -> None:
+    """A secret pasted where its reference belongs is refused by every write of a profile,
+    with the agent's own words, before it reaches a row, the WAL or a node."""
+    secret = f"hf_{secrets.token_hex(12)}"
+    model, profile = f"m-{secrets.token_hex(3)}", f"p-{secrets.token_hex(3)}"
+    base = {"model": model, "engine": "sim", "model_path": "/m"}
+    assert client.post("/admin/v1/models", json={"name": model}).status_code == 201
+    created = client.post(
+        "/admin/v1/profiles", json={**base, "name": profile, "secret_env": {"A": "env:A"}}
+    )
+    assert created.status_code == 201, created.text
+    want = "value is not a reference; use env:NAME or file:/path"
+
+    replies = [
+        client.post(
+            "/admin/v1/profiles",
+            json={**base, "name": f"p-{secrets.token_hex(3)}", "secret_env": {"HF_TOKEN": secret}},
+        ),
+        client.patch(
+            f"/admin/v1/profiles/{profile}",
+            json={"version": 1, "secret_env": {"HF_TOKEN": secret}},
+        ),
+    ]
+    for r in replies:
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["field"]) == ("spec-invalid", "secret_env.HF_TOKEN"), error
+        assert want in error["message"], error
+    doc = {"kind": "profile", "name": profile, **base, "secret_env": {"HF_TOKEN": secret}}
+    for dry_run in (True, False):
+        r = client.post("/admin/v1/apply", json={"documents": [doc], "dry_run": dry_run})
+        assert r.status_code == 422, r.text
+        [problem] = r.json()["error"]["problems"]
+        assert problem["field"] == "secret_env.HF_TOKEN" and want in problem["message"], problem
+        replies.append(r)
+    for r in replies:
+        assert secret not in r.text, r.text
+    assert client.get(f"/admin/v1/profiles/{profile}").json()["version"] == 1
+    assert _holding(controlplane.db_url, secret) == []
     assert secret not in controlplane.log.read_text()
 
 

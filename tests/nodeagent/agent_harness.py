@@ -1,7 +1,7 @@
 """Running `llmgw agent` as a real process against the protocol test server, for tests and bench.
 
 Short periods (sync and health every 0.2 s, restart backoff from 0.2 s) keep
-the tests quick; grace periods stay >= 5 sync periods (design §10). Logs are
+the tests quick; grace periods stay >= 5 sync periods (docs/architecture.md §10). Logs are
 JSON lines in a file, which `log_events` reads back for assertions.
 """
 

@@ -168,6 +168,7 @@ def test_secret_references_resolve_on_the_node(tmp_path: Path) -> None:
         ("file:relative", "absolute"),
         (f"file:{tmp_path}/missing", "cannot read"),
         ("env:", "names no variable"),
+        ("env:MY SECRET", "letters, digits and _"),
     ):
         with pytest.raises(SpecError, match=needle) as e:
             resolve_secret_refs({"X": ref}, {})

@@ -17,6 +17,7 @@ from llmgw.nodeagent.records import (
     RecordError,
     ShardRecord,
     atomic_write,
+    mark_stopped,
     read_record,
     safe_shard_dirname,
     write_model,
@@ -59,6 +60,23 @@ def test_records_from_a_newer_agent_are_still_read(tmp_path: Path) -> None:
     d.mkdir()
     (d / "record.json").write_text('{"shard_id": "s1", "digest": "d", "spec": {}, "future": 1}')
     assert read_record(d).digest == "d"
+
+
+def test_a_stop_asked_for_is_noted_in_the_record_and_nothing_else_changes(tmp_path: Path) -> None:
+    d = tmp_path / "s1"
+    before = _record("s1").model_copy(update={"restarts": 3})
+    write_model(d / "record.json", before)
+    assert read_record(d).stopped_reason == ""  # a record from before the field: no stop noted
+    noted = mark_stopped(d, "stopped when `llmgw up` stopped")
+    assert noted == read_record(d)
+    assert noted.model_dump() == {**before.model_dump(), "stopped_reason": noted.stopped_reason}
+    assert noted.stopped_reason == "stopped when `llmgw up` stopped"
+    # Nothing to note it in: no record (a start that died before writing one), or a bad one.
+    assert mark_stopped(tmp_path / "none", "x") is None
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "record.json").write_text("{")
+    assert mark_stopped(tmp_path / "bad", "x") is None
+    assert (tmp_path / "bad" / "record.json").read_text() == "{"
 
 
 def test_shard_ids_cannot_escape_the_state_dir() -> None:

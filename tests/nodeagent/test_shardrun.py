@@ -23,9 +23,16 @@ import pytest
 from support.procs import free_port, wait_for
 
 from llmgw.engines import Command, CommandFile
+from llmgw.nodeagent import procs
+from llmgw.nodeagent.exits import found_exited
+from llmgw.nodeagent.inventory.file import FileGpuSource, InventoryFile
+from llmgw.nodeagent.launch import Launcher
+from llmgw.nodeagent.prepare import NodeFacts
 from llmgw.nodeagent.procs import MARKER_ENV, is_alive, kill_marked, marked_pids
-from llmgw.nodeagent.records import read_exit, read_procs
+from llmgw.nodeagent.records import ShardRecord, read_exit, read_procs, read_record, write_model
+from llmgw.nodeagent.runtime import ShardRuntime
 from llmgw.nodeagent.shardrun import EXIT_LAUNCH_FAILED, RotatingLog, ShardLaunch
+from llmgw.nodeagent.supervisor_config import SupervisorConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -245,3 +252,96 @@ def test_rotating_log_keeps_backups_and_starts_fresh_on_restart(tmp_path: Path) 
     RotatingLog(path, max_bytes=100, backups=2).close()
     assert path.stat().st_size == 0
     assert "line 009" in (tmp_path / "e.log.1").read_text()
+
+
+# --- how the next agent reads a shard's end back ------------------------------------------------
+
+
+def _adopted(w: Wrapper) -> ShardRuntime:
+    """The runtime an agent holds for the wrapper, with the record it would have written."""
+    rec = ShardRecord(
+        shard_id=w.shard_id,
+        digest="d",
+        spec={},
+        boot_id=procs.boot_id(),
+        wrapper_pid=w.proc.pid,
+        wrapper_start_time=wait_for(
+            lambda: procs.has_marker(w.proc.pid, w.shard_id) and procs.proc_start_time(w.proc.pid),
+            timeout_s=10,
+            what="the wrapper to exec",
+        ),
+        restarts=2,
+    )
+    write_model(w.dir / "record.json", rec)
+    return ShardRuntime(shard_id=w.shard_id, dir=w.dir, record=rec, phase="live")
+
+
+def _next_agent_reads(w: Wrapper) -> ShardRuntime:
+    """What the agent that starts next makes of the shard: its record and how it ended."""
+    rt = ShardRuntime(shard_id=w.shard_id, dir=w.dir, record=read_record(w.dir), phase="exited")
+    found_exited(rt, now=100.0)
+    return rt
+
+
+def _no_facts() -> NodeFacts:
+    raise AssertionError("stopping a shard needs no node facts")
+
+
+async def test_a_stop_the_agent_asked_for_reads_back_as_that_stop_not_as_a_crash(
+    tmp_path: Path,
+) -> None:
+    """`llmgw up`'s Ctrl-C: the agent stops its engines for the next agent to start again. The
+    next one must report the stop that was asked for, not "stopped by a signal to its wrapper",
+    and must not count a restart (the record keeps its count; launch.py adds none for it)."""
+    w = Wrapper(tmp_path, [_py("engine", "import time; time.sleep(600)")])
+    try:
+        w.wait_procs(1)
+        rt = _adopted(w)
+        launcher = Launcher(
+            SupervisorConfig(shards_root=tmp_path, wrapper_argv=(), stop_grace_s=1.0),
+            facts=_no_facts,
+            gpu_source=FileGpuSource(InventoryFile()),
+            wrapper_env={},
+            boot_id=procs.boot_id(),
+        )
+        reason = "stopped: its agent exited (--stop-engines-on-exit)"
+        await launcher.stop(rt, on_purpose=reason)
+        assert w.proc.wait(timeout=10) == 0
+        assert marked_pids(w.shard_id) == []
+        after = _next_agent_reads(w)
+        assert after.exit_reason == reason
+        assert (after.record.stopped_reason, after.record.restarts) == (reason, 2)
+        assert (after.restart_at, after.consecutive_failures) == (100.0, 0)
+        assert after.tail == ""  # the log's end explains a crash; there was none
+    finally:
+        w.cleanup()
+
+
+def test_a_crash_before_the_stop_reached_the_shard_stays_a_crash(tmp_path: Path) -> None:
+    """A record that says a stop was asked for is believed only where the exit agrees: an
+    engine that exited on its own (code 7) crashed, whatever the agent meant to do next."""
+    w = Wrapper(tmp_path, [_py("engine", "import sys, time; time.sleep(0.5); sys.exit(7)")])
+    try:
+        rt = _adopted(w)
+        write_model(w.dir / "record.json", rt.record.model_copy(update={"stopped_reason": "R"}))
+        assert w.proc.wait(timeout=20) == 7
+        after = _next_agent_reads(w)
+        assert after.exit_reason == "command 'engine' exited with code 7"
+        # Dropped in memory: the start that follows counts a restart (launch.py).
+        assert after.record.stopped_reason == ""
+    finally:
+        w.cleanup()
+
+
+def test_a_signal_nobody_recorded_still_reads_as_a_signal(tmp_path: Path) -> None:
+    w = Wrapper(tmp_path, [_py("engine", "import time; time.sleep(600)")])
+    try:
+        w.wait_procs(1)
+        _adopted(w)
+        w.proc.send_signal(signal.SIGTERM)  # an operator's kill, not the agent's stop
+        assert w.proc.wait(timeout=20) == 0
+        after = _next_agent_reads(w)
+        assert after.exit_reason == "stopped by a signal to its wrapper"
+        assert after.record.stopped_reason == ""
+    finally:
+        w.cleanup()

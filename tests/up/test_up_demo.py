@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -56,16 +57,21 @@ def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> Non
         assert info["models"] == ["demo", "demo-sql"]
 
         # The printed examples, run as printed: curl plain and streaming (the LoRA name),
-        # then the openai client, plain and streaming.
+        # then the openai client, plain and streaming. In a shell whose PATH lacks the
+        # virtual environment, as a newcomer's does: `python3` there is the system's, without
+        # the openai client, and `llmgw` is not found.
         printed = up.out.read_text()
         assert info["api_key"] in printed and info["admin_token"] in printed
         venv_bin = str(Path(sys.executable).parent)
+        newcomer_path = ":".join(
+            d for d in os.environ["PATH"].split(":") if d and Path(d) != Path(venv_bin)
+        )
         ran = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", _examples(printed)],
             capture_output=True,
             text=True,
             timeout=60,
-            env=dict(os.environ, PATH=f"{venv_bin}:{os.environ['PATH']}"),
+            env=dict(os.environ, PATH=newcomer_path),
             check=False,
         )
         assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -73,6 +79,26 @@ def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> Non
         assert '"model":"demo-sql"' in ran.stdout and "data: [DONE]" in ran.stdout
         python_lines = ran.stdout.rstrip().splitlines()[-2:]  # its two answers
         assert all(line.strip() for line in python_lines), ran.stdout[-2000:]
+        # The status line runs as printed too, with the same PATH.
+        status_line = next(ln for ln in printed.splitlines() if ln.lstrip().startswith("Status:"))
+        shown = subprocess.run(
+            ["bash", "-c", status_line.split("Status:", 1)[1].strip()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PATH=newcomer_path),
+            check=False,
+        )
+        assert shown.returncode == 0 and "SHARDS" in shown.stdout, shown.stdout + shown.stderr
+
+        # The agent's own metrics: `up` chose its port, and says where it is.
+        agent_metrics = info["agent_metrics_url"]
+        assert f"Agent metrics:    {agent_metrics}" in printed
+        families = {
+            f.name
+            for f in text_string_to_metric_families(httpx.get(agent_metrics, timeout=10).text)
+        }
+        assert "llmgw_agent_shards" in families, sorted(families)
 
         # Progress was shown while the replicas came up.
         progress = up.err.read_text()
@@ -125,8 +151,26 @@ def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> Non
         again = up.wait_up()
         assert again["api_key"] == info["api_key"]
         assert again["admin_token"] == info["admin_token"]
+        assert again["agent_metrics_url"] == info["agent_metrics_url"]  # its port is kept
         assert "Applying the demo" not in up.err.read_text()
         shards |= shard_ids(again)
+
+        # The engines the first run's Ctrl-C stopped come back as started, not restarted:
+        # a stop that was asked for is no crash, and reads as what it was.
+        def both_ready() -> dict[str, Any] | None:
+            st = up.status_json()
+            return st if [s["state"] for s in st["shards"]] == ["ready", "ready"] else None
+
+        again_status = wait_for(
+            both_ready,
+            timeout_s=30,
+            what="both demo shards ready again in `llmgw status`",
+        )
+        assert [s["restarts"] for s in again_status["shards"]] == [0, 0], again_status["shards"]
+        progress = up.err.read_text()
+        assert "stopped by a signal" not in progress, progress
+        agent_log = (up.data_dir / "logs" / "agent.log").read_text()
+        assert agent_log.count('"shard_found_stopped"') == 2, agent_log[-3000:]
     finally:
         assert up.stop() == 0, up.logs()
     _no_processes_left(up, shards)

@@ -4,10 +4,13 @@ Two phases in one transaction. First every document is checked (its schema, the 
 validation of a profile, that what it refers to exists in the database or in the same
 request, that a profile or deployment is not moved to another model) and *every* problem
 is collected: one 422 lists them all, so a file is fixed in one round, and nothing is
-written. Then each object is created or updated, models before profiles before
+written. A document that fails its schema still has its references checked (a typo in one
+field must not hide a missing model), and an unknown field is answered with the nearest
+known one. Then each object is created or updated, models before profiles before
 deployments, through the same audited writes the per-resource routes use. An object whose
 stored fields already equal its document is ``unchanged``: no version bump, no audit row,
-no NOTIFY. ``dry_run`` runs both phases and rolls back.
+no NOTIFY. A ``configured`` one lists what it changes, field by field (``diff``), and the
+replicas its new fingerprint rolls. ``dry_run`` runs both phases and rolls back.
 
 Apply is declarative, like ``kubectl apply`` without a resource version: a document is the
 whole desired object (an omitted field takes its default), and the last writer wins.
@@ -17,9 +20,10 @@ reseeding would invalidate every KV cache of the profile for nothing.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -28,10 +32,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.admin.common import Audit, AuditOf, create, update
 from llmgw.controlplane.admin.deployments import deployment_out, save_deployment_changes
+from llmgw.controlplane.admin.diff import field_changes
 from llmgw.controlplane.admin.models import model_out
 from llmgw.controlplane.admin.profiles import profile_fields, profile_out, save_profile_changes
 from llmgw.controlplane.admin.schemas_fleet import (
     ApplyBody,
+    ApplyChange,
     ApplyProblem,
     ApplyReply,
     ApplyResult,
@@ -55,13 +61,18 @@ _SCHEMAS: dict[str, type[BaseModel]] = {
 # Dependency order: what a document refers to is written before it.
 _ORDER: tuple[Kind, ...] = ("model", "profile", "deployment")
 _Outcome = Literal["created", "configured", "unchanged"]
+# The fields by which a document names objects: its own name and what it refers to.
+_NAMING = ("name", "model", "profile")
 
 
 @dataclass
 class _Doc:
     index: int
     kind: Kind
-    body: Any  # ModelCreate | ProfileCreate | DeploymentCreate
+    # Of the naming fields, those that passed the schema, so a document with a typo
+    # elsewhere still has its references checked (and is not written).
+    names: dict[str, str]
+    body: Any  # ModelCreate | ProfileCreate | DeploymentCreate; None: not to be written
     fields: dict[str, Any] = field(default_factory=dict)  # a profile's checked columns
 
 
@@ -81,17 +92,49 @@ class _Problems:
         )
 
 
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (itself, or inside list[...] / ... | None), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _nested_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _unknown_field(schema: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """The message for an unknown field at ``loc``: the nearest known one, or all of them."""
+    model: type[BaseModel] | None = schema
+    for part in loc[:-1]:
+        if model is not None and isinstance(part, str):
+            info = model.model_fields.get(part)
+            model = None if info is None else _nested_model(info.annotation)
+    path = ".".join(str(p) for p in loc)
+    known = [] if model is None else list(model.model_fields)
+    nearest = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if nearest:
+        suggestion = ".".join([*(str(p) for p in loc[:-1]), nearest[0]])
+        return f"unknown field `{path}`; did you mean `{suggestion}`?"
+    if known:
+        return f"unknown field `{path}`; the fields here are: {', '.join(known)}"
+    return f"unknown field `{path}`; check its spelling against the API's schema"
+
+
 def _parse(documents: Sequence[dict[str, Any]], problems: _Problems) -> list[_Doc]:
-    """Schema checks of every document; the ones that pass, in request order."""
+    """Schema checks of every document; each of a kind apply handles, in request order."""
     docs: list[_Doc] = []
     seen: dict[tuple[str, str], int] = {}
     for i, raw in enumerate(documents):
         kind = raw.get("kind")
         name = raw.get("name") if isinstance(raw.get("name"), str) else None
         if kind not in _SCHEMAS:
+            nearest = difflib.get_close_matches(str(kind), _ORDER, n=1)
+            hint = f"; did you mean `{nearest[0]}`?" if nearest else ""
             problems.add(
                 i, None, name, "kind",
-                f"kind {kind!r} is not one apply handles; use model, profile or deployment",
+                f"kind {kind!r} is not one apply handles; use model, profile or deployment"
+                f"{hint}",
             )  # fmt: skip
             continue
         fields = {k: v for k, v in raw.items() if k != "kind"}
@@ -99,27 +142,39 @@ def _parse(documents: Sequence[dict[str, Any]], problems: _Problems) -> list[_Do
             problems.declared_models.add(name)
         if name is not None and kind == "profile" and isinstance(raw.get("model"), str):
             problems.declared_profiles[name] = raw["model"]
+        schema = _SCHEMAS[kind]
+        bad: set[str] = set()
+        body: Any = None
         try:
-            body: Any = _SCHEMAS[kind].model_validate(fields)
+            body = schema.model_validate(fields)
         except ValidationError as exc:
             for err in exc.errors():
-                loc = ".".join(str(p) for p in err.get("loc", ())) or None
-                if err.get("type") == "extra_forbidden":
-                    message = f"unknown field {loc!r}; check its spelling against the API's schema"
+                loc = tuple(err.get("loc", ()))
+                where = ".".join(str(p) for p in loc) or None
+                if loc:
+                    bad.add(str(loc[0]))
+                if err.get("type") == "extra_forbidden" and loc:
+                    message = _unknown_field(schema, loc)
                 else:
-                    message = f"{loc or 'document'}: {err.get('msg', 'invalid')}"
-                problems.add(i, kind, name, loc, message)
-            continue
-        key = (kind, body.name)
-        if key in seen:
-            problems.add(
-                i, kind, body.name, "name",
-                f"{kind} {body.name!r} is defined twice (documents {seen[key]} and {i}); "
-                "keep one",
-            )  # fmt: skip
-            continue
-        seen[key] = i
-        docs.append(_Doc(index=i, kind=kind, body=body))
+                    message = f"{where or 'document'}: {err.get('msg', 'invalid')}"
+                problems.add(i, kind, name, where, message)
+        names = {
+            k: fields[k]
+            for k in _NAMING
+            if k in schema.model_fields and k not in bad and isinstance(fields.get(k), str)
+        }
+        if body is not None:
+            key = (kind, body.name)
+            if key in seen:
+                problems.add(
+                    i, kind, body.name, "name",
+                    f"{kind} {body.name!r} is defined twice (documents {seen[key]} and {i}); "
+                    "keep one",
+                )  # fmt: skip
+                body = None
+            else:
+                seen[key] = i
+        docs.append(_Doc(index=i, kind=kind, names=names, body=body))
     return docs
 
 
@@ -134,74 +189,144 @@ async def _read(session: AsyncSession, docs: Sequence[_Doc]) -> _Stored:
     """Every stored object the documents name or refer to, locked in one order (models,
     profiles, deployments; by name): two applies touching the same objects queue, never
     deadlock, and nothing read here changes before the writes."""
-    of = {k: [d.body for d in docs if d.kind == k] for k in _ORDER}
-    model_names = {b.name for b in of["model"]} | {b.model for b in of["profile"]}
-    model_names |= {b.model for b in of["deployment"]}
-    profile_names = {b.name for b in of["profile"]} | {b.profile for b in of["deployment"]}
+
+    def named(kind: str, key: str) -> set[str]:
+        return {d.names[key] for d in docs if d.kind == kind and key in d.names}
+
+    model_names = named("model", "name") | named("profile", "model") | named("deployment", "model")
+    profile_names = named("profile", "name") | named("deployment", "profile")
     return _Stored(
         models=await catalog.get_models(session, sorted(model_names)),
         profiles=await catalog.get_profiles_with_models(session, sorted(profile_names)),
-        deployments=await catalog.get_deployments(
-            session, sorted(b.name for b in of["deployment"])
-        ),
+        deployments=await catalog.get_deployments(session, sorted(named("deployment", "name"))),
     )
 
 
 async def _check(
     session: AsyncSession, docs: Sequence[_Doc], stored: _Stored, problems: _Problems
 ) -> None:
-    """References, model moves and the engine's validation of each profile."""
+    """References and model moves of every document, schema-invalid ones included, and the
+    engine's validation of each valid profile."""
     new_models = problems.declared_models
     # profile name -> its model, as it will be once applied.
     profile_model = {name: model for name, (_p, model) in stored.profiles.items()}
     profile_model.update(problems.declared_profiles)
 
-    def model_missing(d: _Doc) -> None:
-        if d.body.model not in stored.models and d.body.model not in new_models:
+    for d in docs:
+        name, model = d.names.get("name"), d.names.get("model")
+        if (
+            d.kind != "model"
+            and model is not None
+            and model not in stored.models
+            and model not in new_models
+        ):
             problems.add(
-                d.index, d.kind, d.body.name, "model",
-                f"model {d.body.model!r} does not exist and no document of this request "
+                d.index, d.kind, name, "model",
+                f"model {model!r} does not exist and no document of this request "
                 "defines it; add a `kind: model` document for it, or fix the name",
             )  # fmt: skip
-
-    for d in docs:
         if d.kind == "profile":
-            model_missing(d)
-            existing = stored.profiles.get(d.body.name)
-            if existing is not None and existing[1] != d.body.model:
+            existing = None if name is None else stored.profiles.get(name)
+            if existing is not None and model is not None and existing[1] != model:
                 problems.add(
-                    d.index, d.kind, d.body.name, "model",
-                    f"profile {d.body.name!r} belongs to model {existing[1]!r}; a profile cannot "
+                    d.index, d.kind, name, "model",
+                    f"profile {name!r} belongs to model {existing[1]!r}; a profile cannot "
                     "move to another model: give the new one another name",
                 )  # fmt: skip
+            if d.body is None:
+                continue
             try:
                 d.fields = await profile_fields(
                     session, d.body, None if existing is None else existing[0]
                 )
             except LlmgwError as exc:
-                problems.add(d.index, d.kind, d.body.name, exc.field, exc.message)
+                problems.add(d.index, d.kind, name, exc.field, exc.message)
         elif d.kind == "deployment":
-            model_missing(d)
-            owner = profile_model.get(d.body.profile)
-            if owner is None:
+            profile = d.names.get("profile")
+            owner = None if profile is None else profile_model.get(profile)
+            if profile is not None and owner is None:
                 problems.add(
-                    d.index, d.kind, d.body.name, "profile",
-                    f"profile {d.body.profile!r} does not exist and no document of this request "
+                    d.index, d.kind, name, "profile",
+                    f"profile {profile!r} does not exist and no document of this request "
                     "defines it; add a `kind: profile` document for it, or fix the name",
                 )  # fmt: skip
-            elif owner != d.body.model:
+            elif owner is not None and model is not None and owner != model:
                 problems.add(
-                    d.index, d.kind, d.body.name, "profile",
-                    f"profile {d.body.profile!r} belongs to model {owner!r}, not "
-                    f"{d.body.model!r}; pick a profile of {d.body.model!r}",
+                    d.index, d.kind, name, "profile",
+                    f"profile {profile!r} belongs to model {owner!r}, not "
+                    f"{model!r}; pick a profile of {model!r}",
                 )  # fmt: skip
-            existing_dep = stored.deployments.get(d.body.name)
-            if existing_dep is not None and existing_dep[1] != d.body.model:
+            existing_dep = None if name is None else stored.deployments.get(name)
+            if existing_dep is not None and model is not None and existing_dep[1] != model:
                 problems.add(
-                    d.index, d.kind, d.body.name, "model",
-                    f"deployment {d.body.name!r} serves model {existing_dep[1]!r}; a deployment "
+                    d.index, d.kind, name, "model",
+                    f"deployment {name!r} serves model {existing_dep[1]!r}; a deployment "
                     "cannot change its model: delete it and create it anew, or use another name",
                 )  # fmt: skip
+
+
+@dataclass
+class _Diff:
+    changes: list[ApplyChange] = field(default_factory=list)
+    rolls: int = 0
+    rolled: list[str] = field(default_factory=list)
+
+
+def _deployment_spec(b: DeploymentCreate) -> dict[str, Any]:
+    return b.model_dump(exclude={"name", "model", "profile"})
+
+
+async def _diffs(session: AsyncSession, docs: Sequence[_Doc], stored: _Stored) -> dict[int, _Diff]:
+    """What each document changes in its stored object, and the replicas that rolls; read
+    before the writes, which change the rows in place."""
+    deployment_docs = {d.body.name: d.body for d in docs if d.kind == "deployment"}
+    profile_docs = {d.body.name: d for d in docs if d.kind == "profile"}
+    out: dict[int, _Diff] = {}
+    for d in docs:
+        b = d.body
+        if d.kind == "model" and b.name in stored.models:
+            model = stored.models[b.name]
+            out[d.index] = _Diff(
+                field_changes({"description": model.description}, {"description": b.description})
+            )
+        elif d.kind == "profile" and b.name in stored.profiles:
+            profile = stored.profiles[b.name][0]
+            diff = _Diff(
+                field_changes(
+                    {k: getattr(profile, k) for k in d.fields}, d.fields, secret=("secret_env",)
+                )
+            )
+            if profile.fingerprint != d.fields["fingerprint"]:
+                # Those that switch to another profile in this request roll by their own
+                # document's change; those that stay roll by this one.
+                for dep, replicas, state in await catalog.deployments_of_profile(
+                    session, profile.id
+                ):
+                    doc = deployment_docs.get(dep)
+                    if doc is not None:
+                        if doc.profile != b.name:
+                            continue
+                        replicas, state = doc.replicas, doc.state
+                    if state == "active" and replicas > 0:
+                        diff.rolls += replicas
+                        diff.rolled.append(dep)
+            out[d.index] = diff
+        elif d.kind == "deployment" and b.name in stored.deployments:
+            row, _model, old_profile = stored.deployments[b.name]
+            old = {"profile": old_profile, **{k: getattr(row, k) for k in _deployment_spec(b)}}
+            diff = _Diff(field_changes(old, {"profile": b.profile, **_deployment_spec(b)}))
+            if b.profile != old_profile and b.state == "active" and b.replicas > 0:
+                before = (await catalog.get_profile_by_id(session, row.profile_id)).fingerprint
+                target = profile_docs.get(b.profile)
+                after = (
+                    target.fields["fingerprint"]
+                    if target is not None
+                    else stored.profiles[b.profile][0].fingerprint
+                )
+                if after != before:
+                    diff.rolls, diff.rolled = b.replicas, [b.name]
+            out[d.index] = diff
+    return out
 
 
 async def _write_model(
@@ -314,6 +439,8 @@ async def apply(body: ApplyBody, request: Request, audit: AuditOf) -> Any:
             if problems.items:
                 await session.rollback()
                 return _refusal(sorted(problems.items, key=lambda p: p.index))
+            # No problem: every document passed its schema, so each has a body to write.
+            diffs = await _diffs(session, docs, stored)
             outcome = await _write(session, audit, docs, stored)
             if body.dry_run:
                 await session.rollback()
@@ -322,8 +449,18 @@ async def apply(body: ApplyBody, request: Request, audit: AuditOf) -> Any:
         except BaseException:
             await session.rollback()
             raise
-    results = [
-        ApplyResult(index=d.index, kind=d.kind, name=d.body.name, result=outcome[d.index])
-        for d in sorted(docs, key=lambda d: d.index)
-    ]
+    results = []
+    for d in sorted(docs, key=lambda d: d.index):
+        diff = diffs.get(d.index, _Diff()) if outcome[d.index] == "configured" else _Diff()
+        results.append(
+            ApplyResult(
+                index=d.index,
+                kind=d.kind,
+                name=d.body.name,
+                result=outcome[d.index],
+                changes=diff.changes,
+                rolls=diff.rolls,
+                rolled_deployments=diff.rolled,
+            )
+        )
     return ApplyReply(dry_run=body.dry_run, results=results)

@@ -1,6 +1,6 @@
 """``/admin/v1/debug/kv/{shard_id}`` (read-only): this process's KV prefix index for one shard.
 
-Each control plane instance holds its own index, fed by agents' KV deltas (design §5), so the
+Each control plane instance holds its own index, fed by agents' KV deltas (docs/architecture.md §5), so the
 answer describes the instance that served the request only. It lists every block the index
 holds for the shard, per medium, to compare with what the engine itself holds (the
 simulator's ``/debug/kv_blocks``): the question "does the router see what the engine has?"

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_TOKEN_TTL_S",
     "ActionOut",
     "ApplyBody",
+    "ApplyChange",
     "ApplyProblem",
     "ApplyReply",
     "ApplyResult",
@@ -242,7 +243,23 @@ class ApplyBody(_Request):
         max_length=1000,
         description="Each: `kind: model|profile|deployment` and that kind's create fields.",
     )
-    dry_run: bool = Field(default=False, description="Compute the outcome, write nothing.")
+    dry_run: bool = Field(
+        default=False, description="Compute the outcome and what changes, write nothing."
+    )
+
+
+class ApplyChange(BaseModel):
+    """One field a configured object changes, as stored before and after."""
+
+    field: str = Field(
+        description="Dotted path of the field: `replicas`, `env.LOG_LEVEL`, `secret_env.HF_TOKEN`."
+    )
+    change: Literal["added", "removed", "changed"]
+    old: Any = Field(default=None, description="The stored value; null when added or secret.")
+    new: Any = Field(default=None, description="The value applied; null when removed or secret.")
+    secret: bool = Field(
+        default=False, description="A secret_env entry: its reference is write-only, never shown."
+    )
 
 
 class ApplyResult(BaseModel):
@@ -250,6 +267,19 @@ class ApplyResult(BaseModel):
     kind: str
     name: str
     result: Literal["created", "configured", "unchanged"]
+    changes: list[ApplyChange] = Field(
+        default_factory=list,
+        description="What a configured object changes, field by field; empty otherwise.",
+    )
+    rolls: int = Field(
+        default=0,
+        description="Replicas this change restarts on a new fingerprint (the desired count of "
+        "each active deployment it rolls); 0: no roll. A profile counts the deployments that "
+        "keep using it, a deployment only a switch to a profile of another fingerprint.",
+    )
+    rolled_deployments: list[str] = Field(
+        default_factory=list, description="The deployments whose replicas `rolls` counts."
+    )
 
 
 class ApplyReply(BaseModel):

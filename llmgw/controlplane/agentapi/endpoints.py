@@ -11,6 +11,10 @@ from the headers (401; sync and KV), the declared Content-Length against the end
 carries its token in the body, so its cap is small (``register_max_body_bytes``). Every
 refusal is a ``ProtocolErrorBody``.
 
+The body is checked on its raw bytes (``llmgw.bodies.check_json``: nesting, NaN/Infinity, lone
+surrogates) before pydantic parses it, so every listener refuses the same JSON: a 970-deep
+body reached registration's error path without a credential and raised RecursionError there.
+
 What it must not do: read a body before authenticating it (sync, KV), echo a token, or
 sit behind a middleware that reads bodies first (``BodyGuard`` must skip ``/agent/``).
 
@@ -20,7 +24,6 @@ app's lifespan: one line in ``create_app``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -32,13 +35,14 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.responses import Response
 
-from llmgw.bodies import BodyTooLarge, declared_length, read_capped
+from llmgw.bodies import BadJson, BodyTooLarge, check_json, declared_length, parse_json, read_capped
 from llmgw.config import AgentApiSettings
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal, protocol_error
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.agentapi.service import AgentApi, unauthorized
 from llmgw.controlplane.credentials import bearer_credential
 from llmgw.controlplane.instances import InstanceIdentity
+from llmgw.errors import clip
 from llmgw.logs import get_logger
 from llmgw.protocol.kvstream import KV_PATH
 from llmgw.protocol.sync import (
@@ -78,8 +82,8 @@ async def _read_body(request: Request, cap: int, setting: str) -> bytes:
 
 def _peek_version(body: bytes) -> Any:
     try:
-        value = json.loads(body)
-    except ValueError:
+        value = parse_json(body)
+    except BadJson:
         return None
     return value.get("protocol_version") if isinstance(value, dict) else None
 
@@ -88,12 +92,16 @@ def _version_refusal(version: Any) -> AgentApiRefusal:
     return AgentApiRefusal(
         426,
         "protocol-version",
-        f"protocol_version {str(version)[:20]} is not spoken here (this control plane speaks "
+        f"protocol_version {clip(str(version))} is not spoken here (this control plane speaks "
         f"{PROTOCOL_VERSION}); upgrade the older of agent and control plane",
     )
 
 
 def _parse(model: type[M], body: bytes) -> M:
+    try:
+        check_json(body)
+    except BadJson as exc:
+        raise AgentApiRefusal(400, "malformed-json", str(exc)) from None
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
@@ -160,7 +168,7 @@ async def sync(request: Request) -> Response:
             raise AgentApiRefusal(
                 409,
                 "conflict",
-                f"the sync names node {parsed.node_id[:64]!r} but the credential is node "
+                f"the sync names node {clip(parsed.node_id)!r} but the credential is node "
                 f"{credential.node_id}'s; a node reports only as itself (check the agent's "
                 "state dir holds this node's credential)",
             )

@@ -1,6 +1,6 @@
 """Batched heartbeats: unchanged syncs cost the database one UPDATE per second in total.
 
-An unchanged sync (design §5) writes nothing but its heartbeat: the node's last_sync_at and
+An unchanged sync (docs/architecture.md §5) writes nothing but its heartbeat: the node's last_sync_at and
 (epoch, seq). Each is kept in memory, the newest per node, and ``flush`` writes all of them
 with one statement every ``period_s``. A failed flush puts its beats back (unless a newer
 one arrived meanwhile), so a database outage delays heartbeats but loses none the process

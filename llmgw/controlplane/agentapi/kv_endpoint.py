@@ -2,7 +2,7 @@
 
 Runs on the event loop with no I/O: the node was authenticated from memory and the body read
 under its cap by the HTTP shell (``router.py``); ``placed`` is ``PlacedCache``'s map, never a
-query (design §5: no database traffic on the KV path).
+query (docs/architecture.md §5: no database traffic on the KV path).
 """
 
 from __future__ import annotations

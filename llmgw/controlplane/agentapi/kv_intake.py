@@ -1,7 +1,7 @@
 """KV-delta intake: applies agents' KV delta requests to this process's in-memory prefix index.
 
 Each control plane instance keeps its own ``PrefixIndex`` and rebuilds it from agents after a
-restart (design §5): there is no database on this path. Per shard it remembers only which
+restart (docs/architecture.md §5): there is no database on this path. Per shard it remembers only which
 node fed it, the version it holds and whether that version is complete; everything else is in
 the index.
 

@@ -16,6 +16,13 @@ approval, drain, desired_version, stored report order) is read in ONE statement 
 ``refresh_s = 0`` reads the row on every sync instead (no staleness, a query per sync); the
 table is then still re-read every ``background_s`` for the KV path's credentials.
 
+A node id no row has is remembered as unknown for ``UNKNOWN_TTL_S`` (at most ``UNKNOWN_MAX``
+ids): a sync is authenticated against its node's row, and without this every repeat of a
+forged or deleted id (an agent retrying, a flood of one id) cost a transaction. A node that
+registers through this process is forgotten as unknown at once (``registered``); one that
+registers through another instance is refused here for at most the TTL, which its agent's
+next sync outlasts (it syncs every few seconds and retries a refusal).
+
 ``desired_version`` and the report order only grow, so merging keeps the larger of what a
 refresh read and what this process wrote meanwhile: a refresh that started before a sync's
 commit never moves a node back.
@@ -26,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import replace
+from typing import Final
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -34,7 +43,7 @@ from llmgw.controlplane.store.agent_nodes import SyncNode, read_sync_node, read_
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
-__all__ = ["NodeTable"]
+__all__ = ["UNKNOWN_MAX", "UNKNOWN_TTL_S", "NodeTable"]
 
 log = get_logger("llmgw.controlplane.agentapi")
 
@@ -42,6 +51,10 @@ log = get_logger("llmgw.controlplane.agentapi")
 # refresh, but at most this often: random node ids in forged headers must not each cost a
 # query.
 _MISS_REFRESH_MIN_S = 1.0
+# Short: it is also how long a node registered through another instance may be refused here.
+UNKNOWN_TTL_S: Final = 2.0
+# ~100 bytes an entry: a flood of distinct ids holds ~1 MB at most, the oldest dropped first.
+UNKNOWN_MAX: Final = 10_000
 
 
 def _merged(new: SyncNode, held: SyncNode | None) -> SyncNode:
@@ -68,6 +81,9 @@ class NodeTable:
         self.refresh_s = refresh_s
         self.period_s = refresh_s if refresh_s > 0 else background_s
         self.nodes: dict[uuid.UUID, SyncNode] = {}
+        # node id -> when (monotonic) it stops being known as unknown; oldest first, since
+        # every entry lives the same TTL.
+        self._unknown: OrderedDict[uuid.UUID, float] = OrderedDict()
         self._refreshed_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._miss_task: asyncio.Task[None] | None = None
@@ -97,12 +113,33 @@ class NodeTable:
 
     async def lookup(self, node_id: uuid.UUID) -> SyncNode | None:
         """For sync: the cached row, or a fresh read for a node not cached (or always, with
-        ``refresh_s = 0``)."""
+        ``refresh_s = 0``); None without a query for an id read as unknown moments ago."""
         if self.refresh_s > 0:
             cached = self.nodes.get(node_id)
             if cached is not None:
                 return cached
-        return await self.read_fresh(node_id)
+        now = time.monotonic()
+        until = self._unknown.get(node_id)
+        if until is not None and now < until:
+            return None
+        node = await self.read_fresh(node_id)
+        if node is None:
+            self._remember_unknown(node_id, now)
+        return node
+
+    def _remember_unknown(self, node_id: uuid.UUID, now: float) -> None:
+        unknown = self._unknown
+        unknown.pop(node_id, None)
+        # The expired ones first (they are the oldest), then the oldest live one if still full.
+        while unknown and (next(iter(unknown.values())) <= now or len(unknown) >= UNKNOWN_MAX):
+            unknown.popitem(last=False)
+        unknown[node_id] = now + UNKNOWN_TTL_S
+
+    def registered(self, node_id: uuid.UUID) -> None:
+        """A node registered through this process: its first sync must read its row, whatever
+        was cached of it (unknown, or a row an admin created without a credential)."""
+        self._unknown.pop(node_id, None)
+        self.forget(node_id)
 
     def cached(self, node_id: uuid.UUID) -> SyncNode | None:
         """For the KV path, which never queries: a miss schedules a (rate-limited) refresh."""

@@ -1,4 +1,4 @@
-"""Registration (design §5): a bootstrap token in, a node credential and the cluster id out.
+"""Registration (docs/architecture.md §5): a bootstrap token in, a node credential and the cluster id out.
 
 Refusals write nothing: the token is checked (hash in constant time, then one atomic UPDATE
 that takes a use only from a live token: not revoked, not expired, uses left), the node row
@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
+from llmgw.controlplane.agentapi.nodes import NodeTable
 from llmgw.controlplane.credentials import (
     hash_matches,
     new_node_credential,
@@ -60,10 +61,12 @@ class RegisterHandler:
         *,
         cluster_id: str,
         metrics: AgentApiMetrics,
+        nodes: NodeTable,
     ) -> None:
         self.sessions = sessions
         self.cluster_id = cluster_id
         self.metrics = metrics
+        self.nodes = nodes
 
     def _refuse_token(self, reason: str) -> AgentApiRefusal:
         self.metrics.registrations.labels(reason).inc()
@@ -111,6 +114,8 @@ class RegisterHandler:
             raise AgentApiRefusal(
                 409,
                 "conflict",
+                # Quoted whole: RegisterRequest bounds it (253 characters), and a cut name
+                # would make the command below delete nothing.
                 f"node name {request.node_name!r} is registered already; if this machine "
                 "replaces that node, an admin deletes the node first (`llmgw nodes delete "
                 f"{request.node_name}`), else give this agent another node_name",
@@ -118,6 +123,8 @@ class RegisterHandler:
         # The claimed row may have another id than the one the credential was made for.
         if node_id != credential.node_id:
             credential = type(credential)(node_id=node_id, secret=credential.secret)
+        # After the commit: a sync that read the row before it must not be what is cached.
+        self.nodes.registered(node_id)
         self.metrics.registrations.labels("ok").inc()
         log.info(
             "node_registered",

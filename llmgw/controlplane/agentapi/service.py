@@ -124,7 +124,9 @@ class AgentApi:
             nodes=self.nodes,
             metrics=self.metrics,
         )
-        self._register = RegisterHandler(self.sessions, cluster_id=cluster_id, metrics=self.metrics)
+        self._register = RegisterHandler(
+            self.sessions, cluster_id=cluster_id, metrics=self.metrics, nodes=self.nodes
+        )
         log.info(
             "agent_api_started",
             instance=self.instances.identity.id,
@@ -153,13 +155,18 @@ class AgentApi:
         """Check a node credential from the headers, before any body is read.
 
         From ``NodeTable`` when the node is known; sync (``endpoint="sync"``) falls back to
-        the node's row for a node not in it yet (registered a moment ago). The KV path never
-        queries: an unknown node is refused, and a refresh (rate-limited) picks it up for
-        its retry.
+        the node's row for a node not in it yet (registered a moment ago), or to the ids
+        read as unknown moments ago. The KV path never queries: an unknown node is refused,
+        and a refresh (rate-limited) picks it up for its retry.
         """
-        node = self.nodes.cached(credential.node_id)
-        if node is None and endpoint == "sync":
-            node = await self.nodes.lookup(credential.node_id)
+        if endpoint == "sync":
+            # Not ``cached``: its refresh of the whole table on a miss buys sync nothing
+            # (``lookup`` reads the one row), and forged ids would keep it running.
+            node = self.nodes.nodes.get(credential.node_id)
+            if node is None:
+                node = await self.nodes.lookup(credential.node_id)
+        else:
+            node = self.nodes.cached(credential.node_id)
         stored = None if node is None else node.credential_hash
         if not hash_matches(credential.secret, stored):
             reason = "unknown_node" if stored is None else "wrong_credential"

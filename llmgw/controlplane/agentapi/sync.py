@@ -1,4 +1,4 @@
-"""Sync (design §5): apply what an agent observed, answer with what its node should run.
+"""Sync (docs/architecture.md §5): apply what an agent observed, answer with what its node should run.
 
 Rules, each with the failure it prevents:
 
@@ -111,7 +111,7 @@ def _parse_uuid(text: str) -> uuid.UUID | None:
 def desired_shard(row: DesiredShardRow) -> DesiredShard:
     """A shard row as the agent receives it: the launch spec with its identity and devices.
 
-    The devices come from gpu_assignments, the one record of who holds which GPU (design §3),
+    The devices come from gpu_assignments, the one record of who holds which GPU (docs/architecture.md §3),
     whatever the stored spec says: ``gpu_indices`` by position and, when any device is a MIG
     instance, ``gpu_uuids`` in the same order (CUDA addresses an instance only by its UUID).
     The API key travels in ``engine_api_key``, never inside the spec.

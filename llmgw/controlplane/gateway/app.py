@@ -33,9 +33,11 @@ from starlette.types import Message, Receive, Scope, Send
 
 from llmgw.bodies import (
     BadContentLength,
+    BadJson,
     BodyTooLarge,
     ClientGone,
     declared_length,
+    parse_json,
     read_asgi,
 )
 from llmgw.config import GatewaySettings
@@ -380,11 +382,12 @@ class Gateway(Generic[K]):
         except BadContentLength:
             raise bad_request("Content-Length is not a number", code="invalid_header") from None
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(
-                f"the body is not valid JSON ({type(exc).__name__})", code="invalid_json"
-            ) from None
+            # Bounded here, once, for the whole request path: nesting (Python's parser raised
+            # RecursionError at ~970 levels) and lone surrogates (encoding the body for the
+            # engine raised) are refused before anything reads the body.
+            data = parse_json(raw)
+        except BadJson as exc:
+            raise bad_request(str(exc), code="invalid_json") from None
         if not isinstance(data, dict):
             raise bad_request("the body must be a JSON object", code="invalid_json")
         return data

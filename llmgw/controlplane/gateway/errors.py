@@ -19,7 +19,8 @@ message. The table below is the contract (status, ``type``, ``code``):
     503     api_error               no_ready_replica      nothing ready serves the model now
 
 What this module must NOT do: echo a secret. Messages are built by the raiser from
-names and numbers, never from header values or request bodies.
+names and numbers, never from header values or request bodies; a name the client sent (a
+model, a path) is quoted through ``llmgw.errors.clip``, so a 4 MB name is not a 4 MB answer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 
 from llmgw.controlplane.http.errors import printable
+from llmgw.errors import clip
 
 __all__ = [
     "GatewayError",
@@ -107,7 +109,7 @@ class GatewayError(Exception):
     def model_not_found(cls, model: str) -> GatewayError:
         return cls(
             404,
-            f"the model {model!r} does not exist or this key may not use it; GET /v1/models "
+            f"the model {clip(model)!r} does not exist or this key may not use it; GET /v1/models "
             "lists the models this key can use",
             type_="invalid_request_error",
             code="model_not_found",
@@ -181,8 +183,8 @@ def upstream_failed(model: str, why: str) -> GatewayError:
 def unknown_url(method: str, path: str) -> GatewayError:
     return GatewayError(
         404,
-        f"no such path: {method} {path} (this listener serves the OpenAI API: GET /v1/models, "
-        "POST /v1/completions, POST /v1/chat/completions)",
+        f"no such path: {clip(method)} {clip(path)} (this listener serves the OpenAI API: "
+        "GET /v1/models, POST /v1/completions, POST /v1/chat/completions)",
         type_="invalid_request_error",
         code="unknown_url",
     )
@@ -191,7 +193,7 @@ def unknown_url(method: str, path: str) -> GatewayError:
 def method_not_allowed(method: str, path: str, allowed: str) -> GatewayError:
     return GatewayError(
         405,
-        f"{method} is not allowed on {path}; allowed: {allowed}",
+        f"{clip(method)} is not allowed on {clip(path)}; allowed: {allowed}",
         type_="invalid_request_error",
         code="method_not_allowed",
     )

@@ -1,4 +1,4 @@
-"""The router's pure core: which replica of a model serves a request (design §7).
+"""The router's pure core: which replica of a model serves a request (docs/architecture.md §7).
 
 Inputs are plain values: the candidates (ready, non-draining replicas of the model, each with
 its load), the prompt's precise shares (from ``precise_shares`` over ``llmgw.kv``) and/or its

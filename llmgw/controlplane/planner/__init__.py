@@ -1,4 +1,4 @@
-"""The reconciler's pure core: placement and the plan (design §4).
+"""The reconciler's pure core: placement and the plan (docs/architecture.md §4).
 
 A snapshot of desired and observed state goes in, a plan of actions comes
 out; nothing here touches the database, the network or the environment (a

@@ -2,7 +2,7 @@
 
 Placement is a chain of small filters, each returning the nodes that survive
 and why the others were dropped (that answers "why is my replica pending?"),
-then a score for the survivors. The rules (design §4, engines package):
+then a score for the survivors. The rules (docs/architecture.md §4, engines package):
 
 - a replica needs `nodes × gpus_per_node` free GPUs of its class, all of one
   GPU name (a tensor-parallel group runs at the pace of its slowest GPU); CPU

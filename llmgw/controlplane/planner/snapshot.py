@@ -6,7 +6,7 @@ placement read nothing else. This module must NOT import sqlalchemy, open
 anything or read the environment: a snapshot is a value, so a test can build
 one by hand and a bug can be replayed from a dump.
 
-Who writes what (design §3): deployments, profiles and the admin half of a
+Who writes what (docs/architecture.md §3): deployments, profiles and the admin half of a
 node (cordon, pool, approval) come from operators; inventory, last sync and
 the observed half of a shard from agents; replica lifecycle, the desired
 half of a shard and rollout status from the reconciler itself.
@@ -201,7 +201,7 @@ class ReplicaView:
 class PlanSettings:
     sync_period_s: float = 2.0
     # A node whose last sync is older than this is not syncing: its replicas are
-    # replaced and it gets nothing new. At least 5 sync periods (design §4), so a
+    # replaced and it gets nothing new. At least 5 sync periods (docs/architecture.md §4), so a
     # node that missed a few syncs under load is not emptied.
     sync_grace_s: float = 10.0
     drain_timeout_s: float = 30.0

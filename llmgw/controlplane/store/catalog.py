@@ -45,6 +45,7 @@ __all__ = [
     "delete_deployment",
     "delete_model",
     "delete_profile",
+    "deployments_of_profile",
     "get_deployment",
     "get_deployment_status",
     "get_deployments",
@@ -163,6 +164,19 @@ async def get_deployments(
         .with_for_update(of=Deployment)
     )
     return {d.name: (d, m, p) for d, m, p in (await session.execute(stmt)).all()}
+
+
+async def deployments_of_profile(
+    session: AsyncSession, profile_id: Any
+) -> list[tuple[str, int, str]]:
+    """``(name, replicas, state)`` of every deployment using the profile, in name order: the
+    replicas a change of its fingerprint rolls."""
+    stmt = (
+        select(Deployment.name, Deployment.replicas, Deployment.state)
+        .where(Deployment.profile_id == profile_id)
+        .order_by(Deployment.name)
+    )
+    return [(n, r, st) for n, r, st in (await session.execute(stmt)).all()]
 
 
 async def get_deployment_status(

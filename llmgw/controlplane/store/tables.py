@@ -1,4 +1,4 @@
-"""The state store's schema: SQLAlchemy 2 typed tables for design §3.
+"""The state store's schema: SQLAlchemy 2 typed tables for docs/architecture.md §3.
 
 Desired state (models, profiles, deployments, api_keys) is written by operators
 through the admin API; observed state (nodes, the binding half of shards) by

@@ -1,6 +1,6 @@
 """What a node has, behind one interface: NVML on GPU machines, a file or simulated GPUs elsewhere.
 
-`GpuSource` is the hardware boundary (design §10: only hardware is faked, and
+`GpuSource` is the hardware boundary (docs/architecture.md §10: only hardware is faked, and
 the fake is driven by data). Everything else about the node (CPU threads,
 memory, fabrics, installed engines) is read by `collect_inventory` the same
 way whatever the GPU source.

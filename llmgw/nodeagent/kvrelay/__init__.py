@@ -1,5 +1,5 @@
 """The node agent's KV-event relay: each engine's KV events, mirrored on the node and streamed
-to every control plane instance (design §5).
+to every control plane instance (docs/architecture.md §5).
 
 - relay.py: ``KvRelay``, the agent-facing shell (watch/unwatch, one asyncio stream per
   control plane instance);

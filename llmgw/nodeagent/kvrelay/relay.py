@@ -15,7 +15,10 @@ one asyncio stream per control plane instance (design §5):
 
 The agent calls ``watch``/``unwatch`` as the supervisor starts and stops engines (a new
 ``engine_generation`` = a new engine process, which resets the mirror) and ``set_instances``
-from every sync response. It must NOT import the control plane.
+from every sync response. Each instance's URL passes the TLS rule of every agent -> control
+plane connection (``client.check_url``: https, or loopback, or ``allow_insecure_http``)
+before the node credential is sent there; one that fails gets no stream, and an error line
+naming the fix. It must NOT import the control plane.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from pathlib import Path
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from llmgw.errors import ConfigError
 from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
+from llmgw.nodeagent.client import check_url
 from llmgw.nodeagent.kvrelay.feed import Feed, FrameFilter, WatchSpec
 from llmgw.nodeagent.kvrelay.ingest import IngestThread
 from llmgw.nodeagent.kvrelay.metrics import RelayMetrics
@@ -95,6 +100,7 @@ class KvRelay:
         state_dir: Path,
         auth_header: Callable[[], str],
         verify_tls: bool | str = True,
+        allow_insecure_http: bool = False,
         registry: CollectorRegistry | None = None,
         max_sends_per_s: float = 10.0,
         keepalive_s: float = 15.0,
@@ -110,6 +116,8 @@ class KvRelay:
             raise ValueError("max_sends_per_s must be positive")
         self._auth_header = auth_header
         self._verify_tls = verify_tls
+        self._allow_insecure_http = allow_insecure_http
+        self._refused_urls: set[str] = set()  # logged once while refused, not every sync
         self._min_interval_s = 1.0 / max_sends_per_s
         self._keepalive_s = keepalive_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
@@ -160,8 +168,27 @@ class KvRelay:
             inst.dirty_since.pop(shard_id, None)
 
     def set_instances(self, instances: Sequence[tuple[str, str]]) -> None:
-        """The live control plane instances (id, internal URL), from the last sync response."""
-        self._wanted_instances = [(i, u.rstrip("/")) for i, u in instances]
+        """The live control plane instances (id, internal URL), from the last sync response;
+        those whose URL breaks the TLS rule are left out."""
+        wanted: list[tuple[str, str]] = []
+        refused: set[str] = set()
+        for instance_id, url in instances:
+            try:
+                checked = check_url(
+                    url,
+                    allow_insecure_http=self._allow_insecure_http,
+                    setting="controlplane.advertise_url",
+                )
+            except ConfigError as exc:
+                refused.add(url)
+                if url not in self._refused_urls:
+                    _log.error(
+                        "kv_stream_refused", instance=instance_id, url=url, error=exc.message
+                    )
+                continue
+            wanted.append((instance_id, checked))
+        self._refused_urls = refused
+        self._wanted_instances = wanted
         if self._loop is not None:
             self._reconcile_instances()
 
