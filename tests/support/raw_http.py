@@ -44,7 +44,8 @@ def exchange(port: int, head: bytes, *, timeout_s: float = 10.0) -> bytes:
 
 
 def closed_within(sock: socket.socket, timeout_s: float) -> tuple[bool, bytes]:
-    """Whether the server closed ``sock`` within ``timeout_s``, and what it sent first."""
+    """Whether the server closed ``sock`` within ``timeout_s``, and what it sent meanwhile
+    (an answer may come in one call and the close in the next)."""
     deadline = time.monotonic() + timeout_s
     out = bytearray()
     while (left := deadline - time.monotonic()) > 0:
@@ -54,9 +55,9 @@ def closed_within(sock: socket.socket, timeout_s: float) -> tuple[bool, bytes]:
         except TimeoutError:
             return False, bytes(out)
         except ConnectionResetError:
-            return True, b"RESET" + bytes(out)
+            return True, bytes(out)
         if not data:
-            return True, b"EOF" + bytes(out)
+            return True, bytes(out)
         out += data
     return False, bytes(out)
 

@@ -277,7 +277,7 @@ def test_the_citation_checker_catches_what_a_newcomer_hit() -> None:
     base = ROOT
     assert _citation_problems("x", "[design.md](/work/shared/design.md)", base)
     assert _citation_problems("x", "see [it](../shared/design.md)", base)
-    assert _citation_problems("x", "(docs/architecture.md §6)", base)
+    assert _citation_problems("x", "(design §6)", base)
     assert _citation_problems("x", "Documentation=file:///usr/share/doc/llmgw/design.md", base)
     assert _citation_problems("x", "[gone](docs/no-such-page.md)", base)
     assert not _citation_problems("x", "[arch](docs/architecture.md), https://x.org/a.md", base)
