@@ -27,7 +27,7 @@ class AgentSettings(Section):
     sync_interval_s: float = Field(default=2.0, gt=0, le=60)
 
     class Fabric(Section):
-        """A fabric this node is on (design §4 placement); the agent checks its HCAs exist."""
+        """A fabric this node is on (docs/architecture.md §4 placement); the agent checks its HCAs exist."""
 
         name: str = Field(min_length=1, description='"ib0", "roce-a", or "nvl:<domain>".')
         kind: Literal["ib", "roce", "nvl"]
@@ -35,7 +35,7 @@ class AgentSettings(Section):
         gid_index: int | None = Field(default=None, ge=0, description="RoCE v2 GID index.")
 
     class Policy(Section):
-        """What this node agrees to run, whatever the control plane sends (design §4)."""
+        """What this node agrees to run, whatever the control plane sends (docs/architecture.md §4)."""
 
         allowed_model_roots: list[str] = Field(
             default_factory=list,

@@ -19,7 +19,7 @@ _DB_URL_RE = re.compile(r"^postgresql(\+psycopg)?://")
 
 
 class ReconcileSettings(Section):
-    """The reconcile loop (leader only) and the rules its plan follows (design §4)."""
+    """The reconcile loop (leader only) and the rules its plan follows (docs/architecture.md §4)."""
 
     enabled: bool = Field(
         default=True,

@@ -1,6 +1,6 @@
 """Several uvicorn servers in one process and one event loop, with one shutdown.
 
-The control plane serves two listeners (design §1): the public one (the OpenAI
+The control plane serves two listeners (docs/architecture.md §1): the public one (the OpenAI
 API) and the internal one (admin API, agent API, health, metrics), each with
 its own app, so nothing of the internal API can answer on the public address.
 Both share the loop, the database pool and, later, the gateway's caches.

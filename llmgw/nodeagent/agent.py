@@ -92,7 +92,7 @@ class AgentOptions:
     bootstrap_token: str = ""
     environ: Mapping[str, str] | None = None
     # `llmgw up` only: its Ctrl-C must leave no engine behind (issue [up]); a fleet agent
-    # keeps them running across its own restarts (design §4).
+    # keeps them running across its own restarts (docs/architecture.md §4).
     stop_engines_on_exit: bool = False
 
 
@@ -138,7 +138,7 @@ class Agent:
         ):
             raise ConfigError(
                 f"agent.engine_bind_addr {settings.engine_bind_addr!r} puts engines on a network: "
-                "they are no security boundary (design §6). Keep 127.0.0.1 and let the agent's "
+                "they are no security boundary (docs/architecture.md §6). Keep 127.0.0.1 and let the agent's "
                 "proxy expose them, or set agent.trusted_management_network = true",
                 field="agent.engine_bind_addr",
             )
@@ -274,7 +274,7 @@ class Agent:
 
     def _proxy_url(self, shard_id: str) -> str:
         """Where the gateway reaches a ready shard: the agent's authenticating proxy
-        (design §6), http://<mgmt_addr>:<proxy port>/shards/<shard_id>."""
+        (docs/architecture.md §6), http://<mgmt_addr>:<proxy port>/shards/<shard_id>."""
         if self.proxy is None:
             return ""
         # Before the first desired set after a restart the proxy holds no keys (they come with

@@ -2,7 +2,7 @@
 
 TLS with certificate verification on every connection that leaves the
 machine; plain http only to loopback, or with the explicit
-`allow_insecure_http` setting (design §5): a node credential sent in clear
+`allow_insecure_http` setting (docs/architecture.md §5): a node credential sent in clear
 text on a network lets anyone who sees it report as this node. ``check_url`` is that rule,
 for every URL the agent sends its credential to: the sync client's, and each control plane
 instance's the KV relay posts to (nodeagent/kvrelay/relay.py).

@@ -1,6 +1,6 @@
 """The engine auth proxy: each ready leader's loopback API, exposed on the management address.
 
-Engines are not a security boundary (design §6): vLLM leaves /tokenize and /metrics open, and
+Engines are not a security boundary (docs/architecture.md §6): vLLM leaves /tokenize and /metrics open, and
 TensorRT-LLM and Megatron have no authentication at all, so engines bind 127.0.0.1 and the agent
 serves ``http://<mgmt>:<port>/shards/<shard_id>/<path>`` here. For every request, in this order:
 

@@ -2,7 +2,7 @@
 
 ``KvRelay`` is the agent-facing shell. Ingest (ZMQ, mirrors, replay, persistence) runs on one
 thread (ingest.py, replay.py); what and when to send is the pure stream.py; this module runs
-one asyncio stream per control plane instance (design §5):
+one asyncio stream per control plane instance (docs/architecture.md §5):
 
 - at most one request in flight per instance and at most ``max_sends_per_s`` requests a second,
   so a busy engine costs an instance a bounded request rate whatever its event rate: changes
