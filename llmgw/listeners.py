@@ -26,11 +26,11 @@ Every listener: the control plane's two (uvicorn), the agent's proxy and metrics
   request is read, the close that follows can reset the connection and destroy the answer on
   its way (unread request bytes make the kernel send RST), so it would need the connection
   held open until the request came, the descriptor the cap is there to keep free. To a client
-  the close reads as a connection that failed before any request was sent, which every HTTP
-  client reports, and which the gateway retries on another replica.
+  the close reads as a connection that failed before any request was sent.
 
-Measured on this machine (2 cores): a 128 MB head costs the control plane ~1 ms of CPU instead
-of 23 s; bench/gateway.py's requests/s and proxy CPU per request are unchanged within noise.
+Cost per request: a few dict operations and one clock read; the deadlines of a listener share
+one timer (a timer per request cost ~3 us of ~125 us per request of a trivial app). Measured
+on this machine (2 cores): a 128 MB head costs the control plane ~5 ms of CPU instead of 23 s.
 
 What it must not do: read a body (the apps and ``llmgw.bodies`` do), or log per connection
 without the rate limit ``llmgw.logs`` applies to warnings (a flood would be one line each).
@@ -156,17 +156,29 @@ def fit_connections(limits: Sequence[ListenerLimits], *, reserve: int) -> list[L
 class _Guarded(Protocol):
     def evict(self) -> None: ...
 
+    def head_timed_out(self) -> None: ...
+
 
 class ConnectionGuard:
-    """One listener's open connections: the cap, and which of them wait for a head, oldest
-    first (the ones a new connection may evict at the cap)."""
+    """One listener's open connections: the cap; which of them wait for a head, oldest first
+    (those a new connection may evict at the cap); and the deadlines of heads under way, in
+    deadline order (every head of a listener gets the same timeout), behind one timer."""
 
     def __init__(self, limits: ListenerLimits) -> None:
         self.limits = limits
         self.open: set[_Guarded] = set()
         self._waiting: OrderedDict[_Guarded, None] = OrderedDict()
+        self._deadlines: OrderedDict[_Guarded, float] = OrderedDict()
+        self._sweep: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.refused = 0
         self.evicted = 0
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def admit(self, conn: _Guarded) -> bool:
         """Count ``conn`` in, evicting the oldest connection waiting for a head at the cap;
@@ -185,7 +197,7 @@ class ConnectionGuard:
                 )
                 return False
             victim, _ = self._waiting.popitem(last=False)
-            self.open.discard(victim)
+            self.release(victim)
             self.evicted += 1
             _log.warning(
                 "listener_connection_evicted",
@@ -213,6 +225,32 @@ class ConnectionGuard:
     def release(self, conn: _Guarded) -> None:
         self.open.discard(conn)
         self._waiting.pop(conn, None)
+        self._deadlines.pop(conn, None)
+
+    def start_head(self, conn: _Guarded) -> None:
+        """Start ``conn``'s head deadline, unless it runs already."""
+        if conn in self._deadlines or conn not in self.open:
+            return
+        loop = self.loop
+        deadline = loop.time() + self.limits.header_timeout_s
+        self._deadlines[conn] = deadline
+        if self._sweep is None:
+            self._sweep = loop.call_at(deadline, self._expire)
+
+    def end_head(self, conn: _Guarded) -> None:
+        self._deadlines.pop(conn, None)
+
+    def _expire(self) -> None:
+        # Deadlines were added in time order with one timeout: the expired ones are in front.
+        self._sweep = None
+        now = self.loop.time()
+        while self._deadlines:
+            conn, deadline = next(iter(self._deadlines.items()))
+            if deadline > now:
+                self._sweep = self.loop.call_at(deadline, self._expire)
+                return
+            del self._deadlines[conn]
+            conn.head_timed_out()
 
 
 def _response(status: int, reason: str, code: str, message: str) -> bytes:
@@ -241,13 +279,14 @@ class _HeadWatch:
     request's head is complete and its body is still arriving.
     """
 
-    __slots__ = ("done", "guard", "head", "linger_left", "refused", "tail", "timer")
+    __slots__ = ("conn", "done", "guard", "head", "linger", "linger_left", "refused", "tail")
 
-    def __init__(self, guard: ConnectionGuard) -> None:
+    def __init__(self, guard: ConnectionGuard, conn: _Guarded) -> None:
         self.guard = guard
+        self.conn = conn
         self.head: int | None = 0
         self.tail = b""  # the head's last bytes so far: its end may straddle two reads
-        self.timer: asyncio.TimerHandle | None = None
+        self.linger: asyncio.TimerHandle | None = None
         self.refused = False
         self.done = False  # answered 431/408 or evicted: what else arrives is dropped
         self.linger_left = 0
@@ -301,30 +340,22 @@ class _HeadWatch:
             "send the whole head at once",
         )
 
-    def arm(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
-        if self.timer is None:
-            self.timer = loop.call_later(self.guard.limits.header_timeout_s, callback)
+    def arm(self) -> None:
+        self.guard.start_head(self.conn)
 
-    def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def received(
-        self, data: bytes, loop: asyncio.AbstractEventLoop, on_timeout: Callable[[], None]
-    ) -> bool:
-        """Count bytes of a head as they arrive (the first one starts its deadline); False if
-        they take it past the cap."""
+    def received(self, data: bytes) -> bool:
+        """Count bytes of a head as they arrive (the first one starts its deadline, if the
+        connection's open did not); False if they take it past the cap."""
         if self.head is None:
             return True
         if self.head == 0 and data:
-            self.arm(loop, on_timeout)
+            self.arm()
         return not self.too_large(data)
 
-    def head_complete(self, conn: _Guarded) -> None:
-        self.disarm()
+    def head_complete(self) -> None:
+        self.guard.end_head(self.conn)
         self.head = None
-        self.guard.busy(conn)
+        self.guard.busy(self.conn)
 
     def next_head(self) -> None:
         self.head = 0
@@ -332,7 +363,6 @@ class _HeadWatch:
 
     def finish(
         self,
-        loop: asyncio.AbstractEventLoop,
         transport: asyncio.Transport | None,
         response: bytes | None,
         close: Callable[[], None],
@@ -340,9 +370,16 @@ class _HeadWatch:
         linger: bool = False,
     ) -> None:
         """Answer ``response`` (if any) and close; with ``linger``, half-close first and read
-        what the client still sends for a while (``dropped``), so the answer reaches it."""
+        what the client still sends for a while (``dropped``), so the answer reaches it. A
+        connection answered already (lingering, and evicted now) is closed at once."""
+        if self.done:
+            if self.linger is not None:
+                self.linger.cancel()
+                self.linger = None
+                close()
+            return
         self.done = True
-        self.disarm()
+        self.guard.end_head(self.conn)
         if transport is None or transport.is_closing():
             return
         if response is not None:
@@ -350,7 +387,7 @@ class _HeadWatch:
         if linger and response is not None and transport.can_write_eof():
             transport.write_eof()
             self.linger_left = _LINGER_BYTES
-            self.timer = loop.call_later(_LINGER_S, close)
+            self.linger = self.guard.loop.call_later(_LINGER_S, close)
         else:
             close()
 
@@ -358,6 +395,13 @@ class _HeadWatch:
         """``data`` arrived after the answer: True once lingering should end."""
         self.linger_left -= len(data)
         return self.linger_left <= 0
+
+    def lost(self) -> None:
+        """The connection is gone: forget it."""
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
+        self.guard.release(self.conn)
 
 
 # --- uvicorn (httptools) -------------------------------------------------------------------
@@ -377,7 +421,7 @@ class _GuardedHttpTools(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self._watch = _HeadWatch(self._guard)
+        self._watch = _HeadWatch(self._guard, self)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if not self._guard.admit(self):
@@ -386,14 +430,12 @@ class _GuardedHttpTools(HttpToolsProtocol):
             transport.close()
             return
         super().connection_made(transport)
-        self._watch.arm(self.loop, self._head_timed_out)
+        self._watch.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        watch = self._watch
-        if watch.refused:
+        if self._watch.refused:
             return
-        watch.disarm()
-        self._guard.release(self)
+        self._watch.lost()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -402,13 +444,13 @@ class _GuardedHttpTools(HttpToolsProtocol):
             if watch.dropped(data):
                 self.transport.close()
             return
-        if not watch.received(data, self.loop, self._head_timed_out):
+        if not watch.received(data):
             self._close_with(watch.too_large_response(), linger=True)
             return
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        self._watch.head_complete(self)
+        self._watch.head_complete()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -428,19 +470,18 @@ class _GuardedHttpTools(HttpToolsProtocol):
     def evict(self) -> None:
         self._close_with(self._watch.timed_out_response(evicted=True))
 
-    def _head_timed_out(self) -> None:
-        self._watch.timer = None
-        if self._watch.head is None:
+    def head_timed_out(self) -> None:
+        if self._watch.head is None or self._watch.done:
             return
         if self._responding():
             # A head pipelined behind a response still streaming: never write into that
             # response; its deadline runs on once the response is over.
-            self._watch.arm(self.loop, self._head_timed_out)
+            self._watch.arm()
             return
         self._close_with(self._watch.timed_out_response(), linger=True)
 
     def _close_with(self, response: bytes | None, *, linger: bool = False) -> None:
-        self._watch.finish(self.loop, self.transport, response, self.transport.close, linger=linger)
+        self._watch.finish(self.transport, response, self.transport.close, linger=linger)
 
 
 def uvicorn_protocol(limits: ListenerLimits) -> type[HttpToolsProtocol]:
@@ -469,7 +510,7 @@ class _GuardedRequestHandler(RequestHandler):
             max_headers=cap // 4,
             **kwargs,
         )
-        self._watch = _HeadWatch(guard)
+        self._watch = _HeadWatch(guard, self)
         self._payload: Any = None  # the newest request's body stream, once its head is in
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -478,14 +519,12 @@ class _GuardedRequestHandler(RequestHandler):
             transport.close()
             return
         super().connection_made(transport)
-        self._watch.arm(self._loop, self._head_timed_out)
+        self._watch.arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        watch = self._watch
-        if watch.refused:
+        if self._watch.refused:
             return
-        watch.disarm()
-        watch.guard.release(self)
+        self._watch.lost()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -495,13 +534,13 @@ class _GuardedRequestHandler(RequestHandler):
                 self.force_close()
             return
         self._body_done()
-        if not watch.received(data, self._loop, self._head_timed_out):
+        if not watch.received(data):
             self._close_with(watch.too_large_response(), linger=True)
             return
         count = self._request_count
         super().data_received(data)
         if self._request_count != count and self._messages:
-            watch.head_complete(self)
+            watch.head_complete()
             self._payload = self._messages[-1][1]
             self._body_done()
 
@@ -526,17 +565,16 @@ class _GuardedRequestHandler(RequestHandler):
     def evict(self) -> None:
         self._close_with(self._watch.timed_out_response(evicted=True))
 
-    def _head_timed_out(self) -> None:
-        self._watch.timer = None
-        if self._watch.head is None:
+    def head_timed_out(self) -> None:
+        if self._watch.head is None or self._watch.done:
             return
-        if self._responding():  # see _GuardedHttpTools._head_timed_out
-            self._watch.arm(self._loop, self._head_timed_out)
+        if self._responding():  # see _GuardedHttpTools.head_timed_out
+            self._watch.arm()
             return
         self._close_with(self._watch.timed_out_response(), linger=True)
 
     def _close_with(self, response: bytes | None, *, linger: bool = False) -> None:
-        self._watch.finish(self._loop, self.transport, response, self.force_close, linger=linger)
+        self._watch.finish(self.transport, response, self.force_close, linger=linger)
 
 
 class _GuardedServer(web.Server):

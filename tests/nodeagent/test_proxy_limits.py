@@ -213,6 +213,26 @@ async def test_at_the_cap_idle_connections_make_room_and_busy_ones_refuse_new_on
         await proxy.stop()
 
 
+async def test_a_connection_answered_and_lingering_is_evicted_like_any_idle_one(
+    upstream: _HoldingUpstream,
+) -> None:
+    """After its 408 a connection is read from a while (so the answer is not reset away);
+    at the cap it is the first to go, and evicting it must not write to it again."""
+    proxy = await _proxy(upstream.port, max_connections=16, header_timeout_s=1)
+    lingering = await asyncio.to_thread(connect, proxy.port)
+    idle: list[socket.socket] = []
+    try:
+        await asyncio.to_thread(lingering.sendall, b"GET /shards/s1/health HTTP/1.1\r\n")
+        closed, answer = await asyncio.to_thread(closed_within, lingering, 5)
+        assert closed and status(answer) == 408, answer[:200]  # half-closed: still read
+        idle = await asyncio.to_thread(lambda: [connect(proxy.port) for _ in range(15)])
+        assert await _get(proxy.port, "/shards/nope/health") == 404  # evicts the lingering
+    finally:
+        for sock in (lingering, *idle):
+            sock.close()
+        await proxy.stop()
+
+
 def test_the_agent_raises_its_descriptor_limit_fits_its_caps_and_runs_on_uvloop(
     tmp_path: Path,
 ) -> None:
