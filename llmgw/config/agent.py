@@ -97,8 +97,19 @@ class AgentSettings(Section):
         "vllm.path, sim.python_executable, ...).",
     )
     policy: Policy = Field(default_factory=Policy)
-    port_range_start: int = Field(default=20000, ge=1024, le=65535)
+    port_range_start: int = Field(
+        default=20000, ge=1024, le=65535, description="Engines' and KV sockets' loopback ports."
+    )
     port_range_end: int = Field(default=29999, ge=1024, le=65535)
+    proxy_port_range_start: int = Field(
+        default=19000,
+        ge=1024,
+        le=65535,
+        description="Shards' front doors: each leader's authenticating proxy, served by its "
+        "wrapper on mgmt_addr. The range gateways and Prometheus must reach (one firewall "
+        "rule); it may not overlap port_range.",
+    )
+    proxy_port_range_end: int = Field(default=19999, ge=1024, le=65535)
     engine_bind_addr: str = Field(
         default="127.0.0.1",
         description="Where engines listen. Off loopback only with trusted_management_network.",
@@ -107,15 +118,19 @@ class AgentSettings(Section):
     listen_host: str = Field(default="127.0.0.1", description="/healthz and /metrics address.")
     listen_port: int = Field(default=9400, ge=0, le=65535)
     proxy_port: int = Field(
-        default=9401, ge=0, le=65535, description="The engines' authenticating proxy."
+        default=9401,
+        ge=0,
+        le=65535,
+        description="The agent's shared proxy, opened only for shards adopted from an older "
+        "agent's wrappers, which serve no front door of their own.",
     )
     proxy_max_connections: int = Field(
         default=4096,
         ge=16,
         le=1_000_000,
-        description="Open connections of the engine proxy at most (default 4,096; each may "
-        "hold a second one to its engine), lowered at start to what the descriptor limit "
-        "allows beside the engines' own. At the cap a new connection evicts the oldest one "
+        description="Open connections of each front door (and of the shared proxy) at most "
+        "(default 4,096; each may hold a second one to its engine), lowered at start to what "
+        "the descriptor limit allows. At the cap a new connection evicts the oldest one "
         "idle or still sending its headers; when every connection is inside a request, it "
         "is closed as soon as accepted.",
     )
@@ -176,5 +191,16 @@ class AgentSettings(Section):
             raise ValueError(
                 f"must be at least port_range_start + 16 ({start + 16}): each shard takes up "
                 "to three ports"
+            )
+        return v
+
+    @field_validator("proxy_port_range_end")
+    @classmethod
+    def _check_proxy_range(cls, v: int, info: Any) -> int:
+        start = info.data.get("proxy_port_range_start", 0)
+        if v < start:
+            raise ValueError(
+                f"must be at least proxy_port_range_start ({start}): each leader shard takes "
+                "one port of the range"
             )
         return v

@@ -142,6 +142,7 @@ class Agent:
                 "proxy expose them, or set agent.trusted_management_network = true",
                 field="agent.engine_bind_addr",
             )
+        _check_port_ranges(settings)
         engines_cfg = EnginesConfig.model_validate(settings.engines)
         if engines_cfg.sim.python_executable == SimConfig().python_executable:
             # The simulator runs the same llmgw as the agent.
@@ -171,6 +172,12 @@ class Agent:
                 shards_root=self.state.shards_root,
                 wrapper_argv=(sys.executable, "-m", "llmgw", "shard-run"),
                 port_range=(settings.port_range_start, settings.port_range_end),
+                proxy_host=self.mgmt_addr,
+                proxy_port_range=(settings.proxy_port_range_start, settings.proxy_port_range_end),
+                proxy_metrics_token=self._metrics_token(),
+                proxy_max_connections=settings.proxy_max_connections,
+                max_header_bytes=settings.max_header_bytes,
+                header_timeout_s=settings.header_timeout_s,
                 stop_grace_s=settings.stop_grace_s,
                 start_timeout_s=settings.start_timeout_s,
                 restart_backoff_min_s=settings.restart_backoff_min_s,
@@ -273,9 +280,14 @@ class Agent:
     # --- wiring ---------------------------------------------------------------------
 
     def _proxy_url(self, shard_id: str) -> str:
-        """Where the gateway reaches a ready shard: the agent's authenticating proxy
-        (docs/architecture.md §6), http://<mgmt_addr>:<proxy port>/shards/<shard_id>."""
-        if self.proxy is None:
+        """Where the gateway reaches a ready shard: its front door, the authenticating proxy its
+        wrapper serves (docs/architecture.md §6), http://<mgmt_addr>:<port>/shards/<shard_id>;
+        for a shard adopted from a wrapper too old to serve one, the agent's shared proxy."""
+        rt = self.supervisor.runtimes.get(shard_id)
+        if rt is not None and rt.proxy_port > 0:
+            # Read from the wrapper's procs.json: the same URL from every agent that adopts it.
+            return f"http://{host_port(rt.proxy_host, rt.proxy_port)}/shards/{shard_id}"
+        if self.proxy is None or rt is None or not _served_by_agent(rt.record):
             return ""
         # Before the first desired set after a restart the proxy holds no keys (they come with
         # it), yet adopted engines are ready: reporting no URL then takes every engine of this
@@ -287,8 +299,9 @@ class Agent:
         return f"http://{host_port(self.mgmt_addr, self.proxy_port)}/shards/{shard_id}"
 
     def _update_routes(self) -> None:
-        """Expose every ready leader whose key the control plane has given (after an
-        agent restart, only once the first sync brought the keys back)."""
+        """Expose, on the shared proxy, every ready leader adopted from a wrapper that serves
+        no front door, once the control plane has given its key (after an agent restart, only
+        once the first sync brought the keys back)."""
         routes: dict[str, Any] = {}
         if self.proxy is None:
             return
@@ -297,7 +310,9 @@ class Agent:
         for sid, rt in self.supervisor.runtimes.items():
             desired = (self.supervisor.desired or {}).get(sid)
             if (
-                rt.phase == "live"
+                _served_by_agent(rt.record)
+                and rt.proxy_port == 0
+                and rt.phase == "live"
                 and rt.health == "ready"
                 and rt.record.http_port > 0
                 and int(rt.record.spec.get("rank", 0) or 0) == 0
@@ -374,18 +389,33 @@ class Agent:
         return proxy, local
 
     async def _start_proxy(self, limits: ListenerLimits) -> None:
-        try:
-            from llmgw.nodeagent.proxy import EngineProxy
-        except ImportError:
-            log.warning("engine_proxy_unavailable")
+        """The shared proxy on agent.proxy_port, only when this start found shards that need
+        it: leaders started by an agent that served every engine's proxy itself, whose
+        wrappers serve none. Every shard this agent starts has its own front door, so once
+        those have been restarted nothing is served from the agent process."""
+        legacy = sorted(
+            sid
+            for sid, rt in self.supervisor.runtimes.items()
+            if rt.phase in ("unadopted", "live") and _served_by_agent(rt.record)
+        )
+        if not legacy:
             return
+        from llmgw.nodeagent.proxy import EngineProxy
+
         self.proxy = EngineProxy(
             self.mgmt_addr,
             self.settings.proxy_port,
-            metrics_token=self._metrics_token(),
+            metrics_token=self.supervisor.cfg.proxy_metrics_token,
             limits=limits,
         )
         self.proxy_port = await self.proxy.start()
+        log.warning(
+            "shared_proxy_serving_adopted_shards",
+            shards=legacy,
+            port=self.proxy_port,
+            hint="these shards were started by an older agent and have no front door of their "
+            "own; they move to one at their next restart",
+        )
 
     def _metrics_token(self) -> str:
         path = self.settings.metrics_token_file
@@ -532,6 +562,28 @@ class Agent:
                 await asyncio.wait_for(self.sync.round(apply=False), timeout=5)
             except Exception as exc:  # best effort: the node's grace covers a lost report
                 log.warning("final_report_failed", error=type(exc).__name__)
+
+
+def _served_by_agent(rec: ShardRecord) -> bool:
+    """A leader serving HTTP whose record has no front door port: started by an agent that
+    served every engine's proxy itself (an agent that allocates front doors gives every such
+    leader one, or none when it has no key, and then no proxy may serve it either)."""
+    return rec.proxy_port == 0 and rec.http_port > 0 and int(rec.spec.get("rank", 0) or 0) == 0
+
+
+def _check_port_ranges(s: AgentSettings) -> None:
+    """The engines' loopback range and the front doors' range must not meet: two allocators
+    would hand out the same port, and a firewall rule for the front doors would open engines."""
+    if (
+        s.port_range_start <= s.proxy_port_range_end
+        and s.proxy_port_range_start <= s.port_range_end
+    ):
+        raise ConfigError(
+            f"agent.proxy_port_range {s.proxy_port_range_start}-{s.proxy_port_range_end} "
+            f"overlaps agent.port_range {s.port_range_start}-{s.port_range_end}; move one "
+            "(LLMGW_AGENT__PROXY_PORT_RANGE_START/END, LLMGW_AGENT__PORT_RANGE_START/END)",
+            field="agent.proxy_port_range_start",
+        )
 
 
 def load_inventory_file_empty() -> Any:

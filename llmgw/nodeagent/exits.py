@@ -60,8 +60,11 @@ def found_exited(rt: ShardRuntime, now: float) -> None:
 
 
 def refresh_engine_pid(rt: ShardRuntime) -> None:
-    """The engine's pid, once the wrapper has recorded it and it is still that process."""
+    """The engine's pid, once the wrapper has recorded it and it is still that process, and
+    where the wrapper serves the shard's front door (recorded before its first command)."""
     p = read_procs(rt.dir)
+    if p is not None and p.proxy_port:
+        rt.proxy_host, rt.proxy_port = p.proxy_host, p.proxy_port
     if p is not None and p.procs:
         last = p.procs[-1]
         if procs.same_process(last.pid, last.start_time, rt.shard_id):
@@ -88,6 +91,7 @@ def _on_exit(rt: ShardRuntime, now: float, cfg: SupervisorConfig) -> None:
     rt.health = "starting"
     rt.was_ready = False
     rt.engine_pid = None
+    rt.proxy_host, rt.proxy_port = "", 0
     _read_back(rt, found=False)
     if rt.record.stopped_reason:
         # The stop an earlier agent asked for, finished under this one (that agent was killed

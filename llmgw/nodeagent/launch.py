@@ -35,6 +35,7 @@ from llmgw.errors import SpecError
 from llmgw.logs import get_logger
 from llmgw.nodeagent import procs
 from llmgw.nodeagent.adapters import AdapterFetchError, fetch_adapter, is_url
+from llmgw.nodeagent.frontdoor import FrontDoorLaunch
 from llmgw.nodeagent.inventory import GpuSource
 from llmgw.nodeagent.ports import PortAllocator, PortsExhausted
 from llmgw.nodeagent.prepare import (
@@ -76,6 +77,8 @@ class PendingStart:
     # The record's restart count for this start: one more after a restart, kept after a stop
     # that was asked for (records.ShardRecord.stopped_reason), zero for a new spec.
     restarts: int
+    # The front door's port (a leader serving HTTP), else 0.
+    proxy_port: int = 0
 
 
 def wrapper_running(rt: ShardRuntime) -> bool:
@@ -117,16 +120,21 @@ class Launcher:
         self._wrapper_env = wrapper_env
         self._boot_id = boot_id
         self.ports = PortAllocator(*config.port_range)
+        self.proxy_ports = PortAllocator(
+            *config.proxy_port_range, host=config.proxy_host, setting="agent.proxy_port_range"
+        )
 
     # --- ports and directories -------------------------------------------------------
 
     def hold(self, rec: ShardRecord) -> None:
         """Keep a shard found on disk from losing its ports to another start."""
         self.ports.hold(_record_ports(rec))
+        self.proxy_ports.hold([rec.proxy_port])
 
     def release(self, rt: ShardRuntime) -> None:
         """Give back what a forgotten shard held: its ports and its directory."""
         self.ports.release(_record_ports(rt.record))
+        self.proxy_ports.release([rt.record.proxy_port])
         shutil.rmtree(rt.dir, ignore_errors=True)
 
     def shard_dir(self, shard_id: str) -> Path:
@@ -178,12 +186,35 @@ class Launcher:
             )
         return LaunchPorts(http, kv, rp)
 
+    def _proxy_port_for(self, p: PreparedShard, prev: ShardRecord | None) -> int:
+        """A front door for a leader that serves HTTP with a key: the previous one's port while
+        free (the gateways hold its URL), else a fresh one. 0 for any other shard: a rank that
+        serves no HTTP has nothing to guard, and without a key the proxy would admit anyone."""
+        engine, spec = p.engine, p.spec
+        if (
+            engine is None
+            or spec is None
+            or not spec.leader
+            or not engine.serves_http(spec)
+            or not p.desired.engine_api_key
+        ):
+            return 0
+        if prev is not None and prev.proxy_port:
+            return self.proxy_ports.renew(prev.proxy_port)
+        return self.proxy_ports.allocate()
+
     def build(self, p: PreparedShard, d: Path, prev_rt: ShardRuntime | None) -> PendingStart:
         """Ports and the launch for a start in directory ``d``; StartFailed if none can be."""
         prev = prev_rt.record if prev_rt is not None else None
         try:
+            proxy_port = self._proxy_port_for(p, prev)
+        except PortsExhausted as e:
+            raise StartFailed(str(e)) from None
+        try:
             ports = self._ports_for(p, prev)
         except PortsExhausted as e:
+            if proxy_port and (prev is None or prev.proxy_port != proxy_port):
+                self.proxy_ports.release([proxy_port])
             raise StartFailed(str(e)) from None
         try:
             spec, commands = build_launch(p, self._facts(), ports, runtime_dir=str(d / "run"))
@@ -196,6 +227,8 @@ class Launcher:
                 for x in (ports.http_port, ports.kv_events_port, ports.kv_replay_port)
                 if x not in kept
             )
+            if proxy_port and (prev is None or prev.proxy_port != proxy_port):
+                self.proxy_ports.release([proxy_port])
             raise StartFailed(e.message) from None
         same_spec = prev is not None and prev.digest == p.digest
         # A shard stopped on purpose (its agent exiting) comes back with a start, not a
@@ -204,7 +237,9 @@ class Launcher:
         # ended the shard was not that stop.
         restarted = same_spec and prev is not None and not prev.stopped_reason
         restarts = 0 if prev is None or not same_spec else prev.restarts + int(restarted)
-        return PendingStart(p, d, ports, spec, commands, prev_rt, restarted, restarts)
+        return PendingStart(
+            p, d, ports, spec, commands, prev_rt, restarted, restarts, proxy_port=proxy_port
+        )
 
     # --- running it ------------------------------------------------------------------
 
@@ -237,6 +272,7 @@ class Launcher:
             http_port=ports.http_port,
             kv_events_port=ports.kv_events_port,
             kv_replay_port=ports.kv_replay_port,
+            proxy_port=pending.proxy_port,
             started_at=time.time(),
             engine_path=commands[-1].path if commands else "",
             visible_devices=commands[-1].env.get("CUDA_VISIBLE_DEVICES", "") if commands else "",
@@ -258,6 +294,7 @@ class Launcher:
             grace_s=self.cfg.stop_grace_s,
             log_max_bytes=self.cfg.log_max_bytes,
             log_backups=self.cfg.log_backups,
+            proxy=self._front_door(pending),
         )
         env = dict(self._wrapper_env)
         env[procs.MARKER_ENV] = shard_id
@@ -277,6 +314,7 @@ class Launcher:
             shard=shard_id,
             wrapper_pid=popen.pid,
             http_port=ports.http_port,
+            proxy_port=pending.proxy_port,
             generation=rec.generation,
             restarts=rec.restarts,
         )
@@ -290,6 +328,22 @@ class Launcher:
             started_mono=now,
             prepared=p,
             consecutive_failures=prev_rt.consecutive_failures if restarted and prev_rt else 0,
+        )
+
+    def _front_door(self, pending: PendingStart) -> FrontDoorLaunch | None:
+        if not pending.proxy_port:
+            return None
+        cfg = self.cfg
+        return FrontDoorLaunch(
+            host=cfg.proxy_host,
+            port=pending.proxy_port,
+            upstream_port=pending.ports.http_port,
+            api_key=pending.prepared.desired.engine_api_key,
+            metrics_token=cfg.proxy_metrics_token,
+            max_body_bytes=cfg.proxy_max_body_bytes,
+            max_connections=cfg.proxy_max_connections,
+            max_header_bytes=cfg.max_header_bytes,
+            header_timeout_s=cfg.header_timeout_s,
         )
 
     async def stop(self, rt: ShardRuntime, *, on_purpose: str = "") -> None:

@@ -3,7 +3,10 @@
 A shard keeps its ports for its life on the node (they are in its record):
 an adopted engine still listens, and still publishes KV events, where it
 did before the agent restarted, and a restarted engine's KV PUB meets the
-agent's SUB on the same port.
+agent's SUB on the same port. The agent runs two allocators: one for what
+listens on loopback (engines, KV sockets: agent.port_range_*), one for the
+shards' front doors on the management address (agent.proxy_port_range_*),
+so that one firewall rule opens exactly what gateways and Prometheus reach.
 """
 
 from __future__ import annotations
@@ -18,23 +21,29 @@ class PortsExhausted(Exception):
     """No free port is left in the configured range."""
 
 
-def _bindable(port: int, *, reuse_addr: bool = False) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _bindable(port: int, *, host: str = "127.0.0.1", reuse_addr: bool = False) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         if reuse_addr:
             # As the engines' servers bind: connections of a dead engine lingering in
             # TIME_WAIT do not make its port unusable, only a live listener does.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
 
 
 class PortAllocator:
-    def __init__(self, start: int, end: int) -> None:
+    def __init__(
+        self, start: int, end: int, *, host: str = "127.0.0.1", setting: str = "agent.port_range"
+    ) -> None:
         self._start = start
         self._end = end
+        # Where the ports' users bind: a port free on loopback may be taken on another address.
+        self._host = host
+        self._setting = setting
         self._held: set[int] = set()
         self._next = start
 
@@ -52,7 +61,7 @@ class PortAllocator:
         process may have taken one since, and an engine started there would crash-loop on
         "address already in use" for as long as that process holds it.
         """
-        if _bindable(port, reuse_addr=True):
+        if _bindable(port, host=self._host, reuse_addr=True):
             return port
         self.release([port])
         return self.allocate()
@@ -63,11 +72,11 @@ class PortAllocator:
         for _ in range(size):
             port = self._next
             self._next = self._start + (self._next - self._start + 1) % size
-            if port in self._held or not _bindable(port):
+            if port in self._held or not _bindable(port, host=self._host):
                 continue
             self._held.add(port)
             return port
         raise PortsExhausted(
-            f"no free port in agent.port_range {self._start}-{self._end} "
+            f"no free port in {self._setting} {self._start}-{self._end} "
             f"({len(self._held)} held by shards); widen the range"
         )

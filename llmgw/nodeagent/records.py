@@ -4,6 +4,7 @@ Layout under the state dir:
 
     shards/<shard_id>/record.json   ShardRecord, written by the agent
     shards/<shard_id>/procs.json    ShardProcs, written by the wrapper once its commands run
+                                    (and its front door listens)
     shards/<shard_id>/exit.json     ShardExit, written by the wrapper when the shard ends
     shards/<shard_id>/logs/         the commands' output, rotated by the wrapper
     shards/<shard_id>/run/          the shard's runtime dir (Command.files)
@@ -85,6 +86,10 @@ class ShardRecord(_Rec):
     http_port: int = 0
     kv_events_port: int = 0
     kv_replay_port: int = 0
+    # The front door's port (agent.proxy_port_range_start..end), for a leader that serves
+    # HTTP; 0 for other ranks, and in records of agents that served every engine's proxy
+    # themselves. Where the wrapper actually listens is in procs.json.
+    proxy_port: int = 0
     started_at: float = 0.0
     restarts: int = 0
     # Bumped on every start: the KV relay resets its mirror on a new generation.
@@ -113,6 +118,11 @@ class ShardProcs(_Rec):
     wrapper_pid: int
     pgid: int | None = None
     procs: list[ShardProc] = Field(default_factory=list)
+    # Where the wrapper serves the shard's front door (frontdoor.py): port 0 when its launch
+    # asked for none, None from a wrapper too old to serve one (the agent's shared proxy
+    # serves such a shard: agent.py).
+    proxy_host: str = ""
+    proxy_port: int | None = None
 
 
 class ShardExit(_Rec):

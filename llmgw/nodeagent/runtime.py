@@ -72,6 +72,10 @@ class ShardRuntime:
     suspended: bool = False
     engine_pid: int | None = None
     engine_start_time: int | None = None
+    # Where the wrapper serves the shard's front door, as its procs.json says; 0 while not
+    # known, and for a shard served by none (another rank, or a wrapper too old to serve one).
+    proxy_host: str = ""
+    proxy_port: int = 0
     # The desired shard it runs for, when the control plane has said so.
     prepared: PreparedShard | None = None
     # Set while a stop is under way; what to do when it finishes.

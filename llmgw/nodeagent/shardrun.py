@@ -20,10 +20,18 @@ ends. The wrapper:
   command's exit code: a sidecar that died leaves the shard broken;
 - on SIGTERM/SIGINT: SIGTERM to the group, SIGKILL after the grace period,
   then SIGKILL to anything still carrying the marker (processes that left the
-  group with setsid), then writes exit.json (stopped) and exits.
+  group with setsid), then writes exit.json (stopped) and exits;
+- for a leader that serves HTTP, serves the shard's front door (frontdoor.py:
+  the engine's authenticating proxy on the management address) from before
+  its first command starts until its commands have stopped, and records where
+  it listens in procs.json. Bound first, so that a port taken since the agent
+  allocated it fails the launch at once, not after an engine spent minutes
+  loading; while the engine loads, the proxy answers 502 upstream-unavailable,
+  and no gateway routes to a shard not yet reported ready. Stopped last, so the
+  answers an engine finishes during its grace period still reach their clients.
 
-This module must NOT import the agent's shell or talk to the network beyond
-the leader-port probe.
+This module must NOT import the agent's shell, nor talk to the network beyond
+the leader-port probe and the front door.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from typing import IO
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.engines import Command
+from llmgw.nodeagent.frontdoor import FrontDoor, FrontDoorLaunch
 from llmgw.nodeagent.procs import MARKER_ENV, kill_marked, proc_start_time
 from llmgw.nodeagent.records import ShardExit, ShardProc, ShardProcs, write_model
 
@@ -69,6 +78,8 @@ class ShardLaunch(BaseModel):
     grace_s: float = Field(default=30.0, ge=0)
     log_max_bytes: int = Field(default=16 << 20, gt=0)
     log_backups: int = Field(default=3, ge=0)
+    # The shard's front door; None for a rank that serves no HTTP (and from an older agent).
+    proxy: FrontDoorLaunch | None = None
 
 
 class RotatingLog:
@@ -119,6 +130,7 @@ class _Wrapper:
         self.stop_requested = False
         self.sel = selectors.DefaultSelector()
         self.logs: dict[int, RotatingLog] = {}
+        self.front_door: FrontDoor | None = None
 
     # --- signals --------------------------------------------------------------
 
@@ -195,6 +207,8 @@ class _Wrapper:
             ShardProcs(
                 wrapper_pid=os.getpid(),
                 pgid=self.pgid,
+                proxy_host=self.front_door.launch.host if self.front_door is not None else "",
+                proxy_port=self.front_door.port if self.front_door is not None else 0,
                 procs=[
                     ShardProc(name=name, pid=p.pid, start_time=proc_start_time(p.pid))
                     for name, p in self.procs
@@ -251,7 +265,17 @@ class _Wrapper:
         while self.sel.get_map() and time.monotonic() < deadline:
             self.pump(0.05)
 
+    def start_front_door(self) -> None:
+        if self.launch.proxy is not None:
+            door = FrontDoor(self.launch.shard_id, self.launch.proxy)
+            door.start()
+            self.front_door = door
+
     def finish(self, result: ShardExit) -> None:
+        # Closed before the exit is written: an agent that reads the exit and restarts the
+        # shard at once finds the port free again.
+        if self.front_door is not None:
+            self.front_door.stop()
         write_model(self.dir / "exit.json", result)
         for log in self.logs.values():
             log.close()
@@ -269,6 +293,20 @@ def run_shard(launch: ShardLaunch) -> int:
     w.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for stale in ("exit.json", "procs.json"):
         (w.dir / stale).unlink(missing_ok=True)
+    try:
+        w.start_front_door()
+    except OSError as e:
+        proxy = launch.proxy
+        assert proxy is not None
+        w.finish(
+            ShardExit(
+                exit_code=EXIT_LAUNCH_FAILED,
+                finished_at=time.time(),
+                error=f"front door cannot listen on {proxy.host}:{proxy.port}: "
+                f"{e.strerror or e}; the agent allocates another port on the next start",
+            )
+        )
+        return EXIT_LAUNCH_FAILED
     w._write_procs()
     try:
         for command in launch.commands:

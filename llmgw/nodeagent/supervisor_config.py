@@ -7,7 +7,7 @@ starting and stopping (launch.py), exits and their backoff (exits.py) and the pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["SupervisorConfig"]
@@ -19,6 +19,15 @@ class SupervisorConfig:
     # How to start a wrapper: [python, -m, llmgw, shard-run]; --shard-dir is appended.
     wrapper_argv: tuple[str, ...]
     port_range: tuple[int, int] = (20000, 29999)
+    # Each leader's front door (frontdoor.py): where it listens (the management address),
+    # the range its port comes from, and what it is handed with the launch.
+    proxy_host: str = "127.0.0.1"
+    proxy_port_range: tuple[int, int] = (19000, 19999)
+    proxy_metrics_token: str = field(default="", repr=False)
+    proxy_max_body_bytes: int = 32 << 20
+    proxy_max_connections: int = 4096
+    max_header_bytes: int = 64 << 10
+    header_timeout_s: float = 10.0
     stop_grace_s: float = 30.0
     start_timeout_s: float = 900.0
     restart_backoff_min_s: float = 1.0

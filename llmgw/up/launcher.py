@@ -235,35 +235,43 @@ class AllInOne:
 
         The agent reads its GPUs from one source, so real and simulated GPUs are two nodes:
         `<host>-sim` and `<host>`, each with its own state dir and bootstrap token, and
-        disjoint engine port ranges (they would otherwise race for the same free port).
+        disjoint engine and front door port ranges (they would otherwise race for the same
+        free port).
         """
         from llmgw.nodeagent.state import AgentState
 
         opts = self.opts
         host = socket.gethostname()
-        wanted: list[tuple[str, int, str, str]] = []
+        # (name, simulated GPUs, node, engine ports, front door ports): the engine ranges are
+        # those of earlier releases, so shards recorded by them keep their ports.
+        wanted: list[tuple[str, int, str, str, str]] = []
         if opts.sim_gpus > 0:
-            wanted.append(("agent", opts.sim_gpus, f"{host}-sim", "25000-29999"))
+            wanted.append(("agent", opts.sim_gpus, f"{host}-sim", "25000-29999", "19500-19999"))
         if opts.sim_gpus == 0 or procs.nvml_gpu_count() > 0:
-            wanted.append(("agent-gpu", 0, host, "20000-24999"))
+            wanted.append(("agent-gpu", 0, host, "20000-24999", "19000-19499"))
         children = []
-        for name, sim_gpus, node_name, ports in wanted:
+        for name, sim_gpus, node_name, ports, proxy_ports in wanted:
             state_dir = opts.data_dir / name
             registered = AgentState(state_dir).load_identity() is not None
             token_file = api.ensure_bootstrap_token(
                 opts.data_dir, url, registered=registered, name=name
             )
             env = self._env()
-            # The agent's proxy port is chosen once and kept in the data dir: engines' URLs
-            # (what gateways route to) then survive an agent restart, and requests reach the
-            # adopted engines as soon as the new agent listens. Not the default 9401: a second
-            # `up`, or a fleet agent, may hold it. Engines get their ports from the range.
+            # Each shard's front door is served by its own wrapper, on a port from the proxy
+            # range kept with the shard. The agent's shared proxy serves only shards adopted
+            # from an earlier release's wrappers; its port is chosen once and kept in the data
+            # dir, so their URLs survive an agent restart. Not the default 9401: a second
+            # `up`, or a fleet agent, may hold it.
             env.setdefault(
                 "LLMGW_AGENT__PROXY_PORT", str(_kept_port(opts.data_dir / f"{name}.proxy_port"))
             )
             env["LLMGW_AGENT__PORT_RANGE_START"], env["LLMGW_AGENT__PORT_RANGE_END"] = ports.split(
                 "-"
             )
+            (
+                env["LLMGW_AGENT__PROXY_PORT_RANGE_START"],
+                env["LLMGW_AGENT__PROXY_PORT_RANGE_END"],
+            ) = proxy_ports.split("-")
             env["LLMGW_AGENT__SYNC_INTERVAL_S"] = _SYNC_S
             # Its /metrics port is chosen and kept the same way: a scrape target that survives
             # the agent's restarts and the next `up`; bringup prints it and puts it in up.json,

@@ -97,11 +97,16 @@ class AgentProcess:
         self.listen_port = listen_port
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         env.update(FAST_ENV)
+        # One range per agent (support.procs.agent_port_base), split: its top quarter for the
+        # shards' front doors, the rest for engines, so no two agents of a test share a port.
+        proxy_start = port_range[1] - (port_range[1] - port_range[0] + 1) // 4 + 1
         env.update(
             {
                 "LLMGW_AGENT__BOOTSTRAP_TOKEN": token,
                 "LLMGW_AGENT__PORT_RANGE_START": str(port_range[0]),
-                "LLMGW_AGENT__PORT_RANGE_END": str(port_range[1]),
+                "LLMGW_AGENT__PORT_RANGE_END": str(proxy_start - 1),
+                "LLMGW_AGENT__PROXY_PORT_RANGE_START": str(proxy_start),
+                "LLMGW_AGENT__PROXY_PORT_RANGE_END": str(port_range[1]),
                 "LLMGW_AGENT__MGMT_ADDR": "127.0.0.1",
             }
         )

@@ -76,6 +76,11 @@ def _wait_states(
         ) from None
 
 
+def _proxied_ok(url: str, key: str = "engine-key-0123456789") -> bool:
+    r = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}, timeout=2)
+    return r.status_code == 200
+
+
 def _health_ok(b: ShardBinding) -> bool:
     r = httpx.get(f"http://127.0.0.1:{b.http_port}/health", timeout=2)
     return r.status_code == 200
@@ -148,10 +153,17 @@ def test_agent_kill9_then_restart_adopts_every_engine_without_restarting_it(
     _registered(cp, agent)
     cp.set_desired("node-a", [sim_shard(s) for s in ids])
     before = _wait_states(cp, agent, dict.fromkeys(ids, "ready"))
+    wait_for(
+        lambda: all(b.proxy_url for b in _states(cp, agent).values()),
+        timeout_s=10,
+        what="a front door URL for every ready shard",
+    )
+    before = _states(cp, agent)
     first_epoch = cp.node("node-a").epoch_seq[0]
     agent.kill9()
-    # The engines do not depend on the agent: still serving.
+    # The engines do not depend on the agent: still serving, through their front doors too.
     assert all(_health_ok(before[s]) for s in ids)
+    assert all(_proxied_ok(before[s].proxy_url) for s in ids)
     n_before = len(cp.history("node-a"))
     agent2 = agent_factory()
 
@@ -166,9 +178,10 @@ def test_agent_kill9_then_restart_adopts_every_engine_without_restarting_it(
     first_report = wait_for(new_epoch_sync, timeout_s=20, what="the restarted agent's first sync")
     assert {b.shard_id: b.observed_state for b in first_report} == dict.fromkeys(ids, "ready")
     for b in first_report:
-        assert (b.pid, b.process_start_time) == (
+        assert (b.pid, b.process_start_time, b.proxy_url) == (
             before[b.shard_id].pid,
             before[b.shard_id].process_start_time,
+            before[b.shard_id].proxy_url,
         )
     # And after the control plane's answer: adopted, not restarted.
     wait_for(lambda: len(agent2.events("shard_adopted")) == 3, timeout_s=10, what="3 adoptions")
@@ -177,6 +190,8 @@ def test_agent_kill9_then_restart_adopts_every_engine_without_restarting_it(
         s: (before[s].pid, 0) for s in ids
     }
     assert agent2.events("shard_started") == []
+    # Every front door is its shard's own: the agent opened no shared proxy.
+    assert agent2.events("shared_proxy_serving_adopted_shards") == []
 
 
 def test_killed_engine_restarts_with_backoff_and_a_crash_loop_is_reported(
@@ -414,6 +429,11 @@ def test_ready_leaders_are_exposed_through_the_authenticating_proxy(
         what="a proxy URL for the ready shard",
     )
     assert url.startswith("http://127.0.0.1:") and url.endswith(f"/shards/{s}")
+    # The shard's front door, on a port of the agent's proxy range (agent_harness.py).
+    port = int(url.split(":")[2].split("/")[0])
+    env = agent.env
+    assert int(env["LLMGW_AGENT__PROXY_PORT_RANGE_START"]) <= port
+    assert port <= int(env["LLMGW_AGENT__PROXY_PORT_RANGE_END"])
     assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
     ok = httpx.get(
         f"{url}/v1/models", headers={"Authorization": "Bearer proxy-key-0123456789"}, timeout=5
