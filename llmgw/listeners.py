@@ -1,8 +1,9 @@
 """What every HTTP listener of llmgw bounds before a request reaches its app: the size of a
 request's head, the time it may take to arrive, and how many connections are open.
 
-Every listener: the control plane's two (uvicorn), the agent's proxy and metrics listener
-(aiohttp) and the simulator's (uvicorn). Each gets, per connection:
+Every listener: the control plane's two (uvicorn), the shards' front doors (the engine proxy,
+served by each shard's wrapper) and the agent's metrics listener (aiohttp), and the
+simulator's (uvicorn). Each gets, per connection:
 
 - a cap on the request line plus headers (``max_header_bytes``, 64 KiB by default): past it the
   client gets 431 and the connection is closed, before the parser has buffered more. httptools

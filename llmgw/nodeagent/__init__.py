@@ -7,9 +7,9 @@ shard under a `llmgw shard-run` wrapper (shardrun.py) and supervises them
 launch.py starts and stops shards, exits.py reads their ends, health.py probes
 them), adopting running engines after its own restart (records.py, procs.py,
 runtime.py). Local policy and secrets are resolved here (policy.py,
-secrets.py, prepare.py, adapters.py, ports.py). Ready engines are exposed
-through an authenticating proxy (proxy.py) and their KV events relayed to the
-control plane (kvrelay/); agent.py wires it all together, state.py keeps its
+secrets.py, prepare.py, adapters.py, ports.py). Each leader engine is exposed
+through its front door, an authenticating proxy (proxy.py) its wrapper serves
+(frontdoor.py), and their KV events relayed to the control plane (kvrelay/); agent.py wires it all together, state.py keeps its
 identity and metrics.py its /metrics and /healthz.
 
 It must NOT import llmgw.controlplane: the two share only llmgw.protocol.

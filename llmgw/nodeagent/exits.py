@@ -6,7 +6,7 @@ outlived the wrapper are killed (they would hold its port and GPUs). A failure c
 the crash loop, and the next start is put off by an exponential backoff; a stop that was asked
 for (the record's ``stopped_reason``: the agent exiting, or `llmgw up` after it) is no failure,
 and is reported as what it was. While a wrapper runs, a pass only learns its engine's pid
-(procs.json, written once the commands run).
+and where its front door listens (procs.json, written by the wrapper).
 
 This module must NOT start anything, nor decide whether a shard is restarted (diff.py): it
 only says when it may be.

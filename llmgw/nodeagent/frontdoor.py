@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmgw.listeners import FD_RESERVE, ListenerLimits, fit_connections
 from llmgw.logs import get_logger
 
 __all__ = ["FrontDoor", "FrontDoorLaunch"]
@@ -77,6 +76,8 @@ class FrontDoor:
 
     def start(self) -> int:
         """Listen; OSError when the port cannot be bound (the shard cannot be served)."""
+        # Imported here: a wrapper of a rank without a front door never loads aiohttp.
+        from llmgw.listeners import FD_RESERVE, ListenerLimits, fit_connections
         from llmgw.nodeagent.proxy import EngineProxy, ProxyRoute
 
         d = self.launch

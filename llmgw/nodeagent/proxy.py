@@ -1,14 +1,16 @@
-"""The engine auth proxy: each ready leader's loopback API, exposed on the management address.
+"""The engine auth proxy: a leader's loopback API, exposed on the management address.
 
 Engines are not a security boundary (docs/architecture.md §6): vLLM leaves /tokenize and /metrics open, and
-TensorRT-LLM and Megatron have no authentication at all, so engines bind 127.0.0.1 and the agent
-serves ``http://<mgmt>:<port>/shards/<shard_id>/<path>`` here. For every request, in this order:
+TensorRT-LLM and Megatron have no authentication at all, so engines bind 127.0.0.1 and are
+served at ``http://<mgmt>:<port>/shards/<shard_id>/<path>`` here: by each shard's wrapper, as
+its front door with one route (frontdoor.py), and by the agent, for shards adopted from
+wrappers too old to serve one (agent.py). For every request, in this order:
 
 1. the path: only ``/v1/*``, ``/tokenize``, ``/health`` and ``/metrics`` of a known shard, judged
    on the raw (undecoded) path so ``..``, ``%2e%2e`` or ``%2f`` cannot climb out of the shard's
    prefix to an engine's admin routes; anything else is 404;
 2. ``Authorization: Bearer <that shard's key>``, compared in constant time, before a byte of
-   the body is read (401 otherwise): an unauthenticated client cannot make the agent buffer;
+   the body is read (401 otherwise): an unauthenticated client cannot make the proxy buffer;
 3. the body, capped at ``max_body_bytes`` (413), declared length first, then as it arrives;
 4. forwarded to ``127.0.0.1:<upstream_port>`` with the Authorization header kept (the engine
    checks its key too), over a pooled client; the response streams back chunk by chunk as it
@@ -19,7 +21,7 @@ aiohttp's low-level server rather than a raw ASGI app under uvicorn: measured (p
 CPU, 1500 requests through each to a simulator, 8 concurrent, 2026-11) the two are within ~15%
 either way: 0.46 vs 0.39 ms per streamed 32-token completion (uvicorn+httptools ahead), 0.29 vs
 0.35 ms per plain one (aiohttp ahead). One framework for both sides of the proxy and no second
-server stack in the agent decided it. Errors use OpenAI's shape, since the gateway relays them.
+server stack decided it. Errors use OpenAI's shape, since the gateway relays them.
 The listener runs under ``limits`` (llmgw/listeners.py): a head past its cap is answered 431
 and one slower than its deadline 408 before step 1, and connections are capped.
 This module must NOT log keys or request bodies, nor import the control plane.

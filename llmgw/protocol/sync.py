@@ -189,7 +189,7 @@ class RegisterRequest(_Wire):
     bootstrap_token: str = Field(min_length=1, max_length=MAX_TOKEN_CHARS, repr=False)
     node_name: str = _Name
     # The address the control plane and peers reach this node on (the
-    # engines' proxy, Ray, NCCL bootstrap).
+    # shards' front doors, Ray, NCCL bootstrap).
     mgmt_addr: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     inventory: NodeInventory
     agent_version: str = Field(default="", max_length=MAX_VERSION_CHARS)
@@ -222,8 +222,8 @@ class ShardBinding(_Wire):
     http_port: int = Field(default=0, ge=0, le=65535)
     kv_events_port: int = Field(default=0, ge=0, le=65535)
     kv_replay_port: int = Field(default=0, ge=0, le=65535)
-    # Where the gateway reaches this shard: the agent's authenticating proxy,
-    # http://<mgmt_addr>:<port>/shards/<shard_id>. Empty until it is ready.
+    # Where the gateway reaches this shard: its front door, the authenticating proxy its
+    # wrapper serves, http://<mgmt_addr>:<port>/shards/<shard_id>. Empty until it is ready.
     proxy_url: str = Field(default="", max_length=MAX_URL_CHARS)
     engine_version: str = Field(default="", max_length=MAX_VERSION_CHARS)
     # The fingerprint of the desired shard the running process was started

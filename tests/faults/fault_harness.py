@@ -6,9 +6,9 @@ three additions the faults need:
 - ``KillablePostgres``: an embedded Postgres in a temp dir (not the session's shared test
   server, which other tests use), so ``kill -9`` of the postmaster and a restart on the same
   port and data dir touch nothing else.
-- ``FaultFleet.start_agent`` with a fixed proxy port and a chosen control plane, and
-  ``restart_agent``: a restarted agent serves its engines' proxy on the address the gateways
-  already hold, as under systemd.
+- ``FaultFleet.start_agent_at`` with a chosen control plane, and ``restart_agent``: the
+  same agent started again on the same state dir, ports and credentials, as under systemd
+  (each shard's front door stays where it was: its wrapper serves it).
 - ``Load``: worker threads using the official ``openai`` client, half streaming, with a
   client-side load balancer over the gateways: each worker sticks to one gateway and, when a
   connection to it cannot be made (nothing was sent, so nothing ran), retries once on the next
@@ -115,7 +115,7 @@ class FaultFleet(GatewayFleet):
     def start_agent_at(
         self, node: str, *, gpus: int, controlplane: ControlPlaneProc
     ) -> AgentProcess:
-        """An agent syncing with ``controlplane``, its engine proxy on a port kept across restarts."""
+        """An agent syncing with ``controlplane``."""
         token = self.token()
         base = agent_port_base()
         agent = AgentProcess(
@@ -127,10 +127,7 @@ class FaultFleet(GatewayFleet):
             token=token,
             node_name=node,
             sim_gpus=gpus,
-            extra_env={
-                "LLMGW_AGENT__SYNC_INTERVAL_S": "0.3",
-                "LLMGW_AGENT__PROXY_PORT": str(free_port()),
-            },
+            extra_env={"LLMGW_AGENT__SYNC_INTERVAL_S": "0.3"},
         ).start()
         self.agents[node] = agent
         self.until(

@@ -9,9 +9,10 @@ through a client-side balancer: stick to one gateway, and when a connection to i
 made, send the request once to the other (nothing was sent, so nothing ran twice).
 
 For each fault the test asserts, and docs/fault-tolerance.md states for operators:
-- which requests may fail: those in flight at the killed component, or (the agent, whose
-  process serves the engines' authenticating proxy) sent while it was down; every request
-  started after that must succeed;
+- which requests may fail: those in flight at the killed component; every request started
+  after that must succeed. Killing the agent fails none: each shard's front door (its
+  authenticating proxy) is served by the shard's own wrapper, and the restarted agent adopts
+  the engines and reports the same proxy URLs;
 - which engines restart: the killed one only (engine pids before and after);
 - what is kept: keys and desired state unchanged; usage equal to what the clients saw, less
   at most what the killed gateway served in its last flush interval, plus at most what failed
@@ -82,6 +83,7 @@ class Phase:
     # from here on must all succeed
     t_end: float = 0.0  # the phase's checks done; the next phase starts
     killed_gateway: str = ""  # the gateway whose in-flight requests may fail, if any
+    no_failures: bool = False  # not one request may fail, in flight at the kill or not
     figures: dict[str, Any] = field(default_factory=dict)
 
 
@@ -159,9 +161,25 @@ def test_kill_9_in_turn_engine_agent_leader_postgres(
         )
 
         # --- 2. the agent --------------------------------------------------------------
+        # Each shard's front door is served by its own wrapper, not the agent: nothing a client
+        # sends may fail while the agent is dead (t_back is the kill itself), and the restarted
+        # agent adopts the engines and reports the front doors where they were.
+        doors = {s.shard_id: s.proxy_url for s in fleet.ready_shards(MODEL)}
+
         def kill_agent(ph: Phase) -> None:
             agent.kill9()
-            # systemd's Restart=always, at once: the new agent adopts the running engines.
+            ph.t_back = ph.t_kill
+            ph.no_failures = True
+            # Served with no agent at all: requests sent after the kill succeed before any
+            # agent runs again.
+            wait_until(
+                lambda: load.successes_after(ph.t_kill, "agent") >= 8,
+                timeout_s=20,
+                what="requests to succeed while the agent is dead",
+            )
+            ph.figures["served_while_down"] = load.successes_after(ph.t_kill, "agent")
+            ph.figures["down_s"] = round(time.monotonic() - ph.t_kill, 2)
+            # Then systemd's Restart=always: the new agent adopts the running engines.
             fleet.restart_agent("node-a")
             wait_until(
                 lambda: (
@@ -169,9 +187,10 @@ def test_kill_9_in_turn_engine_agent_leader_postgres(
                     and len(fleet.ready_shards(MODEL)) == REPLICAS
                 ),
                 timeout_s=AGENT_BACK_S,
-                what="the restarted agent's proxy to serve every engine",
+                what="every engine ready and answering under the restarted agent",
             )
-            ph.t_back = time.monotonic()
+            after = {s.shard_id: s.proxy_url for s in fleet.ready_shards(MODEL)}
+            assert after == doors, f"front doors moved: {doors} -> {after}"
 
         phases.append(
             _phase(
@@ -424,6 +443,11 @@ def _judge_requests(
     if unroutable:
         problems.append(
             f"{ph.name}: ready shards reported with no proxy URL:\n" + "\n".join(unroutable)
+        )
+    if ph.no_failures and failed:
+        problems.append(
+            f"{ph.name}: {len(failed)} of {len(calls)} requests failed, none may: "
+            + "; ".join(sorted({c.error[:120] for c in failed}))
         )
     in_flight = [c for c in calls if c.started < ph.t_back and c.ended > ph.t_kill]
     if ph.killed_gateway:

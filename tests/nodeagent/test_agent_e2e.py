@@ -17,6 +17,7 @@ import pytest
 from support.procs import wait_for
 
 from llmgw.nodeagent.procs import is_alive, marked_pids, proc_start_time
+from llmgw.nodeagent.records import read_procs, read_record, write_model
 from llmgw.protocol import DesiredShard, ShardBinding
 from tests.nodeagent.agent_harness import AgentProcess, sim_shard
 from tests.nodeagent.protocol_server import ProtocolServer
@@ -713,3 +714,48 @@ def test_a_killed_wrapper_takes_its_engine_with_it_and_the_shard_restarts(
         what="restart",
     )
     assert again.http_port == b.http_port and again.restarts == 1
+
+
+def test_a_shard_adopted_from_a_wrapper_without_a_front_door_is_served_by_the_agent(
+    cp: ProtocolServer, agent_factory: Factory, shard_ids: Ids
+) -> None:
+    """Version skew: an agent of an earlier release served every engine's proxy itself, and its
+    wrappers serve none. The agent that adopts such a shard opens its shared proxy for it."""
+    s = shard_ids("old")
+    agent = agent_factory()
+    _registered(cp, agent)
+    cp.set_desired("node-a", [sim_shard(s)])
+    wait_for(
+        lambda: (b := _states(cp, agent).get(s)) and b.proxy_url,
+        timeout_s=30,
+        what="the shard ready behind its front door",
+    )
+    pid = _states(cp, agent)[s].pid
+    agent.kill9()
+    # What the earlier release left on disk: no front door port in the record, none in the
+    # wrapper's procs.json.
+    d = agent.state_dir / "shards" / s
+    rec = read_record(d)
+    write_model(d / "record.json", rec.model_copy(update={"proxy_port": 0}))
+    procs = read_procs(d)
+    assert procs is not None and procs.proxy_port
+    write_model(d / "procs.json", procs.model_copy(update={"proxy_port": None, "proxy_host": ""}))
+    agent2 = agent_factory()
+    shared = wait_for(
+        lambda: agent2.events("shared_proxy_serving_adopted_shards"),
+        timeout_s=20,
+        what="the shared proxy opened",
+    )[0]
+    assert shared["shards"] == [s]
+    url = wait_for(
+        lambda: (
+            (b := _states(cp, agent2).get(s))
+            and b.proxy_url
+            and f":{shared['port']}/" in b.proxy_url
+            and _proxied_ok(b.proxy_url)
+            and b.proxy_url
+        ),
+        timeout_s=20,
+        what="the adopted shard served through the agent's shared proxy",
+    )
+    assert url.endswith(f"/shards/{s}") and _states(cp, agent2)[s].pid == pid

@@ -465,7 +465,7 @@ class Shard(Base):
     observed_reason: Mapped[str] = mapped_column(Text, server_default="")
     # The fingerprint the running process was started from (a rollout landing, seen).
     observed_fingerprint: Mapped[str] = mapped_column(Text, server_default="")
-    # Where the gateway reaches the engine: the agent's authenticating proxy.
+    # Where the gateway reaches the engine: the shard's front door (its authenticating proxy).
     proxy_url: Mapped[str] = mapped_column(Text, server_default="")
     # The end of the engine's log when it failed (bounded by the protocol).
     log_tail: Mapped[str] = mapped_column(Text, server_default="")
