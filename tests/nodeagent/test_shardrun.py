@@ -211,7 +211,10 @@ def test_wait_for_leader_port_holds_the_command_until_the_port_accepts(tmp_path:
 def test_a_rank_without_commands_holds_until_stopped(tmp_path: Path) -> None:
     w = Wrapper(tmp_path, [])
     try:
-        time.sleep(1.0)
+        # procs.json is written after the signal handlers are in place: a SIGTERM sent before
+        # (the interpreter still starting, on a busy machine) would kill the wrapper outright.
+        wait_for(lambda: read_procs(w.dir), timeout_s=20, what="procs.json")
+        time.sleep(0.5)  # holding, not exiting: nothing to wait on but time
         assert w.proc.poll() is None
         w.proc.send_signal(signal.SIGTERM)
         assert w.proc.wait(timeout=10) == 0
