@@ -6,8 +6,12 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
 from support.procs import agent_port_base
 
+from llmgw.config import AgentSettings
+from llmgw.errors import ConfigError
+from llmgw.nodeagent.agent import _check_port_ranges
 from llmgw.nodeagent.inventory.file import FileGpuSource, InventoryFile
 from llmgw.nodeagent.launch import Launcher
 from llmgw.nodeagent.ports import PortAllocator
@@ -97,3 +101,10 @@ def test_no_front_door_without_a_key_to_check() -> None:
     keyless = sim_shard("s").model_copy(update={"engine_api_key": ""})
     pending = launcher.build(prepare(keyless, REGISTRY, facts()), Path("/nonexistent/s"), None)
     assert pending.proxy_port == 0 and launcher._front_door(pending) is None
+
+
+def test_front_door_and_engine_ranges_may_not_meet() -> None:
+    _check_port_ranges(AgentSettings())  # the defaults: 19000-19999 and 20000-29999
+    overlapping = AgentSettings(proxy_port_range_start=29000, proxy_port_range_end=30999)
+    with pytest.raises(ConfigError, match=r"overlaps agent\.port_range 20000-29999; move one"):
+        _check_port_ranges(overlapping)
