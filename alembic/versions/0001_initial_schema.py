@@ -533,9 +533,10 @@ def upgrade() -> None:
     # so takeover is an UPDATE that bumps the epoch, never a racy INSERT.
     op.execute("INSERT INTO cluster_info (id) VALUES (1)")
     op.execute("INSERT INTO leader (id) VALUES (1)")
-    # Deleting a deployment must not orphan running engines (design §3): its replicas keep their
-    # rows (FK SET NULL) and every shard is marked for stop here, in the same statement, whoever
-    # issued the DELETE. The reconciler removes the rows once agents report the engines gone.
+    # Deleting a deployment must not orphan running engines (docs/architecture.md §3): its
+    # replicas keep their rows (FK SET NULL) and every shard is marked for stop here, in the same
+    # statement, whoever issued the DELETE. The reconciler removes the rows once agents report
+    # the engines gone.
     op.execute(_MARK_SHARDS_FOR_STOP)
     op.execute(
         "CREATE TRIGGER deployments_mark_shards_for_stop BEFORE DELETE ON deployments "

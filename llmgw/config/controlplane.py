@@ -74,6 +74,11 @@ class AgentApiSettings(Section):
     # Full KV copies admitted per second, and at once (429 + Retry-After beyond).
     kv_full_copy_rate_per_s: float = Field(default=200.0, gt=0)
     kv_full_copy_burst: int = Field(default=400, ge=1)
+    # Syncs naming a node id not held in memory, read from the database per second, and at
+    # once (429 + Retry-After beyond): a credential cannot be checked without its row, so a
+    # flood of random ids would otherwise cost a transaction each.
+    unknown_node_rate_per_s: float = Field(default=100.0, gt=0)
+    unknown_node_burst: int = Field(default=200, ge=1)
 
 
 class ControlPlaneSettings(Section):

@@ -58,6 +58,7 @@ from llmgw.errors import (
     NotFoundError,
     PlacementError,
     SpecError,
+    clip,
 )
 
 __all__ = ["create_app"]
@@ -122,13 +123,16 @@ async def _on_validation_error(_request: Request, exc: Exception) -> Response:
     if first.get("type") == "string_unicode":
         # JSON's "\ud800" escape parses, but the string cannot be stored (nor printed as UTF-8).
         message = (
-            f"{field or 'body'}: must be valid Unicode; it holds a lone surrogate (a \\ud800-"
+            f"{clip(field or 'body')}: must be valid Unicode; it holds a lone surrogate (a \\ud800-"
             "\\udfff escape without its pair): send the character itself or its full pair"
         )
     elif first.get("type") == "extra_forbidden":
-        message = f"unknown field {field!r}; check its spelling against the API's schema (GET /openapi.json)"
+        message = (
+            f"unknown field {clip(field or '')!r}; check its spelling against the API's schema "
+            "(GET /openapi.json)"
+        )
     else:
-        message = f"{field or 'body'}: {first['msg']}"
+        message = f"{clip(field or 'body')}: {first['msg']}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
     return _error(422, "spec-invalid", message, field)
@@ -173,10 +177,14 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 405:
         headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
         message = (
-            f"{request.method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+            f"{request.method} is not allowed on {clip(request.url.path)}; allowed: "
+            f"{headers['Allow']}"
         )
     elif exc.status_code == 404:
-        message = f"no such path: {request.method} {request.url.path} (the API is under /admin/v1; see /docs)"
+        message = (
+            f"no such path: {clip(request.method)} {clip(request.url.path)} (the API is under "
+            "/admin/v1; see /docs)"
+        )
     return _error(exc.status_code, code_for_status(exc.status_code), message, None, headers)
 
 

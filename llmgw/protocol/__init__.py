@@ -1,8 +1,8 @@
 """The wire models the node agent and the control plane share, and nothing else.
 
-`llmgw.nodeagent` and `llmgw.controlplane` never import each other (design
-§2): this package is the whole contract between them. It must NOT import
-either side, do I/O, or read the environment. Submodules:
+`llmgw.nodeagent` and `llmgw.controlplane` never import each other
+(docs/architecture.md §2): this package is the whole contract between them. It
+must NOT import either side, do I/O, or read the environment. Submodules:
 
 - `llmgw.protocol.sync`: registration and the declarative sync (this package's
   re-exports below);

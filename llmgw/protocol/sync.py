@@ -70,7 +70,7 @@ SYNC_PATH = "/agent/v1/sync"
 # The KV-delta stream (llmgw.protocol.kvstream).
 KV_PATH = "/agent/v1/kv"
 
-# Bounds. Sized for the design's largest node (8 GPUs x 7 MIG instances, a
+# Bounds. Sized for the largest node llmgw plans for (8 GPUs x 7 MIG instances, a
 # few shards each) with room to spare; a peer sending more is broken or
 # hostile, and the body is refused rather than allocated.
 MAX_SHARDS = 256

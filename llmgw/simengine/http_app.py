@@ -9,7 +9,8 @@ sees them (see generation.py for why).
 Auth is vLLM's: with an API key set, every `/v1` route needs
 `Authorization: Bearer <key>`; `/health`, `/metrics`, `/tokenize` and the
 control routes stay open (the shard's front door, its authenticating proxy, is
-the security boundary, design §6). Errors use OpenAI's shape, with the status vLLM would use.
+the security boundary, docs/architecture.md §6). Errors use OpenAI's shape, with the status
+vLLM would use.
 
 Must NOT schedule or sample: that is engine.py and the pure core.
 """

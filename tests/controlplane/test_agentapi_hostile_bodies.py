@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from agentapi_testkit import AgentApiServer, Node, fetch, make_token, running_agent_api
+from agentapi_testkit import FAST, AgentApiServer, Node, fetch, make_token, running_agent_api
 from sqlalchemy import event
 
 from llmgw.controlplane.agentapi.nodes import UNKNOWN_TTL_S
@@ -142,3 +142,23 @@ async def test_a_node_registered_through_another_instance_is_refused_at_most_the
             seq += 1
             await asyncio.sleep(0.05)
         assert time.monotonic() - registered <= UNKNOWN_TTL_S + 1
+
+
+async def test_a_flood_of_distinct_unknown_ids_is_rationed_without_a_query(db_url: str) -> None:
+    settings = FAST.model_copy(update={"unknown_node_rate_per_s": 0.01, "unknown_node_burst": 6})
+    async with running_agent_api(db_url, settings=settings) as cp:
+        node = await cp.node(await make_token(cp.sessions), "real")
+        await cp.sync(node, seq=1)  # its first sync reads its row: one of the bucket's six
+        with _node_reads(cp) as reads:
+            for seq in range(5):
+                _refusal(await cp.sync_raw(_forged(uuid.uuid4()), seq=seq + 1), 401, "unauthorized")
+            assert len(reads) == 5
+            for seq in range(20):
+                r = await cp.sync_raw(_forged(uuid.uuid4()), seq=seq + 1)
+                assert "unknown_node_rate_per_s" in _refusal(r, 429, "too-many-requests")
+                assert int(r.headers["Retry-After"]) >= 1
+            assert len(reads) == 5, "a sync past the bucket read its node's row"
+            # A node the table holds never waits on the bucket (sync asserts a 200).
+            await cp.sync(node, seq=2)
+        throttled = {"endpoint": "sync", "reason": "lookups_throttled"}
+        assert cp.metric("llmgw_agent_auth_failures_total", throttled) == 20

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from llmgw.controlplane.agentapi.kv_intake import FullCopyLimiter, KvIntake, PlacedShard
+from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard, TokenBucket
 from llmgw.kv import (
     AllBlocksCleared,
     BlockMirror,
@@ -104,8 +104,8 @@ def test_a_moved_shard_is_forgotten() -> None:
     assert intake.apply("node-b", _req(base_version=1, new_version=2), moved) == "need_full"
 
 
-def test_full_copy_limiter_admits_a_burst_then_names_the_wait() -> None:
-    limiter = FullCopyLimiter(rate_per_s=10, burst=2)
+def test_token_bucket_admits_a_burst_then_names_the_wait() -> None:
+    limiter = TokenBucket(rate_per_s=10, burst=2)
     assert limiter.admit(100.0) is None
     assert limiter.admit(100.0) is None
     wait = limiter.admit(100.0)

@@ -187,6 +187,73 @@ def test_a_lone_surrogate_is_422_naming_the_field(
     assert "lone surrogate" in r.json()["error"]["message"], r.text
 
 
+def _nested(depth: int) -> bytes:
+    # Built as text: json.dumps would recurse.
+    return b'{"name": "m-deep", "description": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def test_deep_and_non_finite_bodies_are_a_400_before_the_parse(client: httpx.Client) -> None:
+    json_header = {"Content-Type": "application/json"}
+    for depth in (970, 100_000):
+        r = client.post("/admin/v1/models", content=_nested(depth), headers=json_header)
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == "malformed-json" and "more than 64 levels" in err["message"]
+    r = client.post(
+        "/admin/v1/deployments/none/scale", content=b'{"replicas": NaN}', headers=json_header
+    )
+    assert r.status_code == 400 and "NaN is not valid JSON" in r.text, r.text
+    # The words inside strings are text: the body passes to the API's own checks.
+    r = client.post(
+        "/admin/v1/models",
+        content=b'{"name": "m-words", "description": "NaN Infinity [[[ \\\\ud800"}',
+        headers=json_header,
+    )
+    assert r.status_code == 201, r.text
+
+
+def test_a_lone_surrogate_in_a_free_form_field_is_422_naming_it(client: httpx.Client) -> None:
+    """apply's documents are free-form JSON: nothing in the schema checks their strings."""
+    for doc, field in (
+        ({"kind": "model", "name": "m-a", "description": "\ud800"}, "documents.0.description"),
+        ({"kind": "model", "name": "m-b", "\udc00": 1}, "documents.0.\\udc00"),
+    ):
+        r = client.post(
+            "/admin/v1/apply",
+            content=_json_ascii({"documents": [doc]}),
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["field"] == field and "lone surrogate" in err["message"], err
+
+
+def test_what_a_client_sent_is_echoed_clipped(client: httpx.Client, controlplane: Any) -> None:
+    """A name, path or field the client chose appears at most ~200 characters long in an
+    error: as big as the listener lets in (a 60 KB path, a 1 MB body), the answer stays small."""
+    long = "n" * 60_000
+    answers = [
+        client.get(f"/admin/v1/models/{long}"),  # no such model
+        client.put(f"/admin/v1/models/{long}", json={}),  # 405
+        client.get(f"/admin/v1/{long}"),  # no such path
+        client.post("/admin/v1/models", json={"name": "m-x", "k" * 900_000: 1}),  # unknown field
+    ]
+    status, body = _raw(
+        controlplane.url,
+        f"GET /admin/v1/models/a//{long} HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {controlplane.token}\r\nConnection: close\r\n\r\n".encode(),
+    )
+    assert status == 404 and len(body) < 1500, body[:300]
+    for r in answers:
+        assert r.status_code in (404, 405, 422), r.text[:300]
+        assert len(r.content) < 1500, (r.status_code, r.content[:300])
+        err = r.json()["error"]
+        assert "…" in err["message"] + (err["field"] or ""), err
+    # A 4 MB name never reaches a parser: the body cap answers first, as small.
+    r = client.post("/admin/v1/models", json={"name": "n" * (4 * _MB)})
+    assert r.status_code == 413 and len(r.content) < 500, r.text[:300]
+
+
 def test_a_planted_secret_appears_in_no_log_and_no_reply(
     client: httpx.Client, controlplane: Any
 ) -> None:

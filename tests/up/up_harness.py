@@ -45,7 +45,9 @@ class Up:
     def err(self) -> Path:
         return self.log_dir / f"up-{self.runs}.err"
 
-    def start(self, *extra: str) -> Up:
+    def start(self, *extra: str, env: dict[str, str] | None = None) -> Up:
+        """Start `llmgw up` with ``extra`` flags; ``env`` adds settings (its children inherit
+        them: ``LLMGW_GATEWAY__HEADER_TIMEOUT_S``, ...)."""
         self.runs += 1
         argv = llmgw_cmd(
             "up",
@@ -61,7 +63,7 @@ class Up:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                env=dict(os.environ, LLMGW_LOG__JSON="true"),
+                env={**os.environ, "LLMGW_LOG__JSON": "true", **(env or {})},
             )
         return self
 

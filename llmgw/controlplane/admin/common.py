@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from llmgw.controlplane.http.admin_auth import admin_token_problem
 from llmgw.controlplane.schemas import ErrorBody, Page, name_problem
 from llmgw.controlplane.store import catalog
-from llmgw.errors import AuthError, NotFoundError, SpecError
+from llmgw.errors import AuthError, NotFoundError, SpecError, clip
 
 __all__ = [
     "DEFAULT_PAGE",
@@ -135,7 +135,7 @@ def path_name(kind: str, name: str, plural: str | None = None) -> str:
     problem = name_problem(name)
     if problem is not None:
         raise NotFoundError(
-            f"no {kind} can be named {name!r}: {problem}; list them with "
+            f"no {kind} can be named {clip(name)!r}: {problem}; list them with "
             f"GET /admin/v1/{plural or kind + 's'}",
             field="name",
         )

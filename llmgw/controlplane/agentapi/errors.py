@@ -25,7 +25,8 @@ class AgentApiRefusal(Exception):
     body-too-large       413  the body passes the endpoint's cap
     spec-invalid         422  the body breaks the protocol's model
     protocol-version     426  a protocol version this control plane does not speak
-    too-many-requests    429  a full KV copy refused for now (Retry-After)
+    too-many-requests    429  a full KV copy, or a sync naming a node id not held, refused
+                              for now (Retry-After)
     database-unavailable 503  the state store is unreachable; retry
     """
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
-from llmgw.controlplane.agentapi.kv_intake import FullCopyLimiter, KvIntake
+from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.protocol.kvstream import KvStreamError, decode_kv_request, encode_kv_response
@@ -26,7 +26,7 @@ class KvHandler:
         self,
         intake: KvIntake,
         placed: PlacedCache,
-        limiter: FullCopyLimiter,
+        limiter: TokenBucket,
         metrics: AgentApiMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,

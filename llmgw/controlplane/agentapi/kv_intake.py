@@ -14,9 +14,9 @@ Answers (``KvResult``):
   restarted, a request was lost, or the agent reloaded its mirror): the agent sends a reset.
 - ``ack``: applied.
 
-``FullCopyLimiter`` is the token bucket behind "an instance may answer 429 + Retry-After to a
-full copy": after an instance restart every agent sends resets at once, and admitting them all
-would stall the router's event loop. Pure: the HTTP shell passes ``now`` in, does the I/O and
+``TokenBucket`` is behind "an instance may answer 429 + Retry-After to a full copy": after
+an instance restart every agent sends resets at once, and admitting them all would stall the
+router's event loop. Sync's reads of node ids it does not hold are rationed by one too. Pure: the HTTP shell passes ``now`` in, does the I/O and
 maps ``KvStreamError`` to 400. This module must NOT do I/O, read clocks or import the node agent.
 """
 
@@ -30,7 +30,7 @@ from llmgw.kv import PrefixIndex
 from llmgw.logs import get_logger
 from llmgw.protocol.kvstream import KvDeltaRequest, KvResult
 
-__all__ = ["FullCopyLimiter", "KvIntake", "PlacedShard", "ShardKvView"]
+__all__ = ["KvIntake", "PlacedShard", "ShardKvView", "TokenBucket"]
 
 _log = get_logger(__name__)
 
@@ -187,19 +187,20 @@ class KvIntake:
         return gone
 
 
-class FullCopyLimiter:
-    """A token bucket for full copies: ``rate_per_s`` sustained, ``burst`` at once."""
+class TokenBucket:
+    """``rate_per_s`` admissions sustained, ``burst`` at once (full copies, unknown-node
+    lookups)."""
 
     def __init__(self, *, rate_per_s: float = 200.0, burst: int = 400) -> None:
         if rate_per_s <= 0 or burst < 1:
-            raise ValueError("FullCopyLimiter needs rate_per_s > 0 and burst >= 1")
+            raise ValueError("a token bucket needs rate_per_s > 0 and burst >= 1")
         self.rate_per_s = rate_per_s
         self.burst = float(burst)
         self._tokens = float(burst)
         self._at: float | None = None
 
     def admit(self, now: float) -> float | None:
-        """None to admit one full copy now, else the seconds to send as Retry-After."""
+        """None to admit one now, else the seconds to send as Retry-After."""
         if self._at is not None:
             self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate_per_s)
         self._at = now

@@ -23,6 +23,13 @@ registers through this process is forgotten as unknown at once (``registered``);
 registers through another instance is refused here for at most the TTL, which its agent's
 next sync outlasts (it syncs every few seconds and retries a refusal).
 
+Reads of ids the table does not hold are rationed by one token bucket for the whole process
+(``unknown_lookups``): remembering an id helps against its repeats, not against a flood of
+distinct random ids, each of which would cost a transaction (a credential cannot be checked
+without its row). Past the bucket ``lookup`` raises ``LookupThrottled`` before any query,
+and the agent API answers 429 with Retry-After, which an agent retries like any 429. Nodes
+the table holds (every registered node after its first refresh) never wait on it.
+
 ``desired_version`` and the report order only grow, so merging keeps the larger of what a
 refresh read and what this process wrote meanwhile: a refresh that started before a sync's
 commit never moves a node back.
@@ -39,11 +46,12 @@ from typing import Final
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from llmgw.controlplane.agentapi.kv_intake import TokenBucket
 from llmgw.controlplane.store.agent_nodes import SyncNode, read_sync_node, read_sync_nodes
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
-__all__ = ["UNKNOWN_MAX", "UNKNOWN_TTL_S", "NodeTable"]
+__all__ = ["UNKNOWN_MAX", "UNKNOWN_TTL_S", "LookupThrottled", "NodeTable"]
 
 log = get_logger("llmgw.controlplane.agentapi")
 
@@ -55,6 +63,14 @@ _MISS_REFRESH_MIN_S = 1.0
 UNKNOWN_TTL_S: Final = 2.0
 # ~100 bytes an entry: a flood of distinct ids holds ~1 MB at most, the oldest dropped first.
 UNKNOWN_MAX: Final = 10_000
+
+
+class LookupThrottled(Exception):
+    """Too many reads of node ids not held, process-wide: retry after ``retry_after_s``."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"unknown-node lookups are rationed; retry in {retry_after_s:.2f} s")
+        self.retry_after_s = retry_after_s
 
 
 def _merged(new: SyncNode, held: SyncNode | None) -> SyncNode:
@@ -75,9 +91,11 @@ class NodeTable:
         sessions: async_sessionmaker[AsyncSession],
         *,
         refresh_s: float,
+        unknown_lookups: TokenBucket,
         background_s: float = 5.0,
     ) -> None:
         self.sessions = sessions
+        self.unknown_lookups = unknown_lookups
         self.refresh_s = refresh_s
         self.period_s = refresh_s if refresh_s > 0 else background_s
         self.nodes: dict[uuid.UUID, SyncNode] = {}
@@ -113,7 +131,8 @@ class NodeTable:
 
     async def lookup(self, node_id: uuid.UUID) -> SyncNode | None:
         """For sync: the cached row, or a fresh read for a node not cached (or always, with
-        ``refresh_s = 0``); None without a query for an id read as unknown moments ago."""
+        ``refresh_s = 0``); None without a query for an id read as unknown moments ago;
+        ``LookupThrottled``, without a query, for an id not held past the bucket."""
         if self.refresh_s > 0:
             cached = self.nodes.get(node_id)
             if cached is not None:
@@ -122,6 +141,10 @@ class NodeTable:
         until = self._unknown.get(node_id)
         if until is not None and now < until:
             return None
+        if node_id not in self.nodes:
+            wait_s = self.unknown_lookups.admit(now)
+            if wait_s is not None:
+                raise LookupThrottled(wait_s)
         node = await self.read_fresh(node_id)
         if node is None:
             self._remember_unknown(node_id, now)

@@ -10,6 +10,7 @@ placed-shard map the KV path reads.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,9 +23,9 @@ from llmgw.config import AgentApiSettings
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.kv_endpoint import KvHandler
-from llmgw.controlplane.agentapi.kv_intake import FullCopyLimiter, KvIntake
+from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
-from llmgw.controlplane.agentapi.nodes import NodeTable
+from llmgw.controlplane.agentapi.nodes import LookupThrottled, NodeTable
 from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.agentapi.register import RegisterHandler
 from llmgw.controlplane.agentapi.sync import SyncHandler
@@ -63,12 +64,17 @@ class AgentApi:
         )
         self.placed = PlacedCache(sessions, self.intake, refresh_s=settings.placed_refresh_s)
         self.nodes = NodeTable(
-            sessions, refresh_s=settings.node_refresh_s, background_s=settings.placed_refresh_s
+            sessions,
+            refresh_s=settings.node_refresh_s,
+            background_s=settings.placed_refresh_s,
+            unknown_lookups=TokenBucket(
+                rate_per_s=settings.unknown_node_rate_per_s, burst=settings.unknown_node_burst
+            ),
         )
         self.kv = KvHandler(
             self.intake,
             self.placed,
-            FullCopyLimiter(
+            TokenBucket(
                 rate_per_s=settings.kv_full_copy_rate_per_s, burst=settings.kv_full_copy_burst
             ),
             self.metrics,
@@ -164,7 +170,11 @@ class AgentApi:
             # (``lookup`` reads the one row), and forged ids would keep it running.
             node = self.nodes.nodes.get(credential.node_id)
             if node is None:
-                node = await self.nodes.lookup(credential.node_id)
+                try:
+                    node = await self.nodes.lookup(credential.node_id)
+                except LookupThrottled as exc:
+                    self.metrics.auth_failures.labels(endpoint, "lookups_throttled").inc()
+                    raise _throttled(exc.retry_after_s) from None
         else:
             node = self.nodes.cached(credential.node_id)
         stored = None if node is None else node.credential_hash
@@ -181,6 +191,17 @@ def unauthorized(node_id: uuid.UUID | None = None) -> AgentApiRefusal:
         "unauthorized",
         f"missing or wrong node credential{who}: send `Authorization: Bearer llmgwn_...` "
         "as registration returned it; a deleted node registers again with a bootstrap token",
+    )
+
+
+def _throttled(retry_after_s: float) -> AgentApiRefusal:
+    return AgentApiRefusal(
+        429,
+        "too-many-requests",
+        "too many syncs from node ids this control plane does not hold; retry after the "
+        "Retry-After seconds (a registered node is held after its first sync; if real nodes "
+        "are refused, raise controlplane.agent_api.unknown_node_rate_per_s)",
+        headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
     )
 
 

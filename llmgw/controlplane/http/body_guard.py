@@ -10,16 +10,39 @@ it 400 itself. A body sent as something other than JSON is
 refused with 415 naming the header to send, instead of a validation error
 about "a valid dictionary".
 
+A JSON body is then checked on its raw bytes (``llmgw.bodies.check_json``) before
+FastAPI parses it: nested deeper than ``MAX_JSON_DEPTH`` or holding NaN/Infinity,
+it is a 400 ``malformed-json``. FastAPI's parser is Python's: ~1000 levels raise
+RecursionError (a 500), a few hundred cost a parse and a validation error listing
+every level, and NaN passes any ``>= 0`` bound. A lone UTF-16 surrogate is a 422
+``spec-invalid`` naming the field that holds it (found by parsing the body, which
+the depth bound has made safe): free-form fields (``labels``, apply's documents)
+would otherwise carry it to the database, whose encoder raises.
+
 What it must not do: run before authentication (``AdminAuth`` sits outside
 it), or read a byte past the cap.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmgw.bodies import BodyTooLarge, ClientGone, declared_length, read_asgi
+from llmgw.bodies import (
+    MAX_JSON_DEPTH,
+    BadJson,
+    BodyTooLarge,
+    ClientGone,
+    check_json,
+    declared_length,
+    json_depth_exceeds,
+    lone_surrogate,
+    read_asgi,
+)
 from llmgw.controlplane.http.errors import error_response
 
 __all__ = ["BodyGuard", "is_json_media_type"]
@@ -64,12 +87,12 @@ class BodyGuard:
         bodyless = headers.get("content-length") == "0" or (
             "content-length" not in headers and "transfer-encoding" not in headers
         )
-        if (
+        json_body = (
             not bodyless
             and scope["method"] in _BODY_METHODS
             and any(scope["path"].startswith(p) for p in self.json_prefixes)
-            and not is_json_media_type(headers.get("content-type"))
-        ):
+        )
+        if json_body and not is_json_media_type(headers.get("content-type")):
             shown = headers.get("content-type") or "none"
             await error_response(
                 415,
@@ -89,6 +112,11 @@ class BodyGuard:
         except BodyTooLarge:
             await self._too_large(scope, receive, send)
             return
+        if json_body and body:
+            refusal = _json_refusal(body)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
         replayed = False
 
         async def replay() -> Message:
@@ -107,3 +135,61 @@ class BodyGuard:
             f"the request body is larger than {self.max_body_bytes} bytes ({self.setting}); "
             "send a smaller body",
         )(scope, receive, send)
+
+
+def _json_refusal(body: bytes) -> Response | None:
+    """The answer to a JSON body ``check_json`` refuses, None for one it lets through."""
+    try:
+        check_json(body)
+    except BadJson as exc:
+        escape = lone_surrogate(body)
+        if escape is None or json_depth_exceeds(body, MAX_JSON_DEPTH):
+            return error_response(400, "malformed-json", str(exc))
+        field = _surrogate_field(body)
+        return error_response(
+            422,
+            "spec-invalid",
+            f"{field or 'body'}: must be valid Unicode; it holds a lone surrogate ({escape}, "
+            "a \\ud800-\\udfff escape without its pair): send the character itself or its "
+            "full pair",
+            field,
+        )
+    return None
+
+
+def _surrogate_field(body: bytes) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate, as the
+    admin API names fields (``adapters.0.path``); None when the body does not parse. Only
+    called once the depth bound passed: the parse and the walk recurse at most that deep."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    path = _find_surrogate(value)
+    return None if not path else ".".join(path)
+
+
+def _find_surrogate(node: Any) -> list[str] | None:
+    if isinstance(node, str):
+        return [] if _has_surrogate(node) else None
+    items: list[tuple[str, Any]] = []
+    if isinstance(node, dict):
+        for key, item in node.items():
+            if _has_surrogate(key):
+                return [key]
+            items.append((key, item))
+    elif isinstance(node, list):
+        items = [(str(i), item) for i, item in enumerate(node)]
+    for key, item in items:
+        below = _find_surrogate(item)
+        if below is not None:
+            return [key, *below]
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 
 from starlette.responses import Response
 
+from llmgw.errors import clip
+
 __all__ = ["ERROR_CODES", "code_for_status", "error_body", "error_response", "printable"]
 
 ERROR_CODES: dict[str, int] = {
@@ -80,7 +82,8 @@ def error_body(code: str, message: str, field: str | None = None) -> bytes:
         "error": {
             "code": code,
             "message": printable(message),
-            "field": None if field is None else printable(field),
+            # A field's name can be what the client sent (an unknown key): never echoed whole.
+            "field": None if field is None else printable(clip(field)),
         }
     }
     return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

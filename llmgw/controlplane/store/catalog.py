@@ -33,7 +33,7 @@ from llmgw.controlplane.store.tables import (
     Node,
     Profile,
 )
-from llmgw.errors import ConflictError, NotFoundError
+from llmgw.errors import ConflictError, NotFoundError, clip
 
 __all__ = [
     "CHANGE_CHANNEL",
@@ -88,7 +88,8 @@ async def _one_by_name(
     row = (await session.execute(stmt)).scalar_one_or_none()
     if row is None:
         raise NotFoundError(
-            f"{kind} {name!r} does not exist; list them with GET /admin/v1/{kind}s", field=field
+            f"{kind} {clip(name)!r} does not exist; list them with GET /admin/v1/{kind}s",
+            field=field,
         )
     return row
 
