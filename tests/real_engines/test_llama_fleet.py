@@ -73,7 +73,6 @@ def _start_agent(f: GatewayFleet, llama_server: str) -> AgentProcess:
             "LLMGW_AGENT__SYNC_INTERVAL_S": "0.3",
             "LLMGW_AGENT__CPU_THREADS": "4",
             "LLMGW_AGENT__ENGINES": f'{{"llamacpp": {{"path": "{llama_server}"}}}}',
-            "LLMGW_AGENT__PROXY_PORT": str(free_port()),
         },
     ).start()
     f.agents[NODE] = agent
@@ -113,6 +112,8 @@ def test_llama_server_deployment_serves_through_the_gateway_and_survives_kills(
     assert "deployment/tiny" in _apply(f, document)
     shards = f.wait_ready(MODEL, 2, timeout_s=90)
     assert len({s.pid for s in shards}) == 2
+    # The pids the agents report are real llama-server processes.
+    assert {Path(f"/proc/{s.pid}/comm").read_text().strip() for s in shards} == {"llama-server"}
 
     client = openai.OpenAI(
         base_url=f"{f.public['cp']}/v1", api_key=f.create_key("e2e"), max_retries=0, timeout=30
