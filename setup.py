@@ -21,7 +21,8 @@ setup(
     # must bring up its demo without a checkout.
     package_dir={"llmgw._alembic": "alembic", "llmgw._config": "config"},
     package_data={
-        "llmgw": ["py.typed"],
+        # The tiny model's tokenizer files (scripts/make-tiny-model.py).
+        "llmgw": ["py.typed", "tinymodel/*.json"],
         "llmgw._alembic": ["script.py.mako"],
         "llmgw._config": ["*.yaml", "*.toml", "*.service", "examples/*.yaml"],
     },

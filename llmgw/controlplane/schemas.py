@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from llmgw.controlplane.store.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
-from llmgw.engines import MAX_HASH_SEED, is_valid_hash_seed
+from llmgw.engines import MAX_HASH_SEED, canonical_engine, is_valid_hash_seed
 
 __all__ = [
     "LIMITS",
@@ -103,7 +103,10 @@ Arg = Annotated[str, StringConstraints(max_length=LIMITS["arg_chars"])]
 Path_ = Annotated[str, StringConstraints(min_length=1, max_length=LIMITS["path_chars"])]
 ShortText = Annotated[str, StringConstraints(max_length=LIMITS["short_text_chars"])]
 Description = Annotated[str, StringConstraints(max_length=LIMITS["description_chars"])]
-Engine = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+# An alias (``llama.cpp``) is stored as the engine's own name (``llamacpp``).
+Engine = Annotated[
+    str, StringConstraints(min_length=1, max_length=64), AfterValidator(canonical_engine)
+]
 # How a multi-node vLLM replica is wired (llmgw.engines.MultinodeBackend); the table's CHECK
 # holds the same two values.
 MultinodeBackend = Literal["ray", "native"]

@@ -59,6 +59,7 @@ from llmgw.engines.requirements import (
 from llmgw.engines.secret_refs import SecretReference, check_secret_refs, parse_secret_ref
 from llmgw.engines.spec import (
     CPU_GPU_CLASS,
+    ENGINE_ALIASES,
     MAX_HASH_SEED,
     Adapter,
     GPUInfo,
@@ -67,6 +68,7 @@ from llmgw.engines.spec import (
     ReplicaId,
     ShardId,
     ShardSpec,
+    canonical_engine,
     hash_seed_problem,
     is_valid_hash_seed,
     parse_gpus,
@@ -77,6 +79,7 @@ __all__ = [
     "BASE_ENV_NAMES",
     "BASE_ENV_PREFIXES",
     "CPU_GPU_CLASS",
+    "ENGINE_ALIASES",
     "ENGINE_NAMES",
     "FLAG_SYNTAX",
     "MAX_HASH_SEED",
@@ -108,6 +111,7 @@ __all__ = [
     "TRTLLMConfig",
     "VLLMConfig",
     "base_env_from",
+    "canonical_engine",
     "check_replica_specs",
     "check_secret_refs",
     "hash_seed_problem",

@@ -149,6 +149,15 @@ _ADMIN_READ_ONLY = frozenset(
 )
 
 
+# Names operators also write for an engine, and the one llmgw stores: llama.cpp is what the
+# project calls itself. Applied on the way in, so a fingerprint never sees the alias.
+ENGINE_ALIASES = {"llama.cpp": "llamacpp"}
+
+
+def canonical_engine(name: str) -> str:
+    return ENGINE_ALIASES.get(name, name)
+
+
 class Profile(_Wire):
     """How a model runs on a GPU class, reduced to what launching needs."""
 
@@ -187,6 +196,11 @@ class Profile(_Wire):
     threads: int = Field(default=0, ge=0)
     kv_hash: KVHashParams = Field(default_factory=KVHashParams)
     multinode_backend: MultinodeBackend = "ray"
+
+    @field_validator("engine")
+    @classmethod
+    def _canonical_engine(cls, v: str) -> str:
+        return canonical_engine(v)
 
     @model_validator(mode="before")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engines_testkit import SEED, build, profile, registry, spec
 
-from llmgw.engines import Adapter, KVHashParams
+from llmgw.engines import Adapter, KVHashParams, profile_fingerprint
 
 INHERITED = {"HOME": "/root", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PATH": "/usr/bin:/bin"}
 GPU0 = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_DISABLE": "1"}
@@ -280,3 +280,13 @@ def test_sim_without_kv_events_sets_no_seed() -> None:
     assert "PYTHONHASHSEED" not in c.env
     assert "--kv-events-config" not in c.args
     assert "SIMENGINE_API_KEY" not in c.env
+
+
+def test_llama_cpp_is_stored_as_llamacpp_so_fingerprints_never_see_the_alias() -> None:
+    written = profile(engine="llama.cpp", gpu_class="cpu", model_path="/m/q4.gguf")
+    assert written.engine == "llamacpp"
+    assert profile_fingerprint(written) == profile_fingerprint(
+        profile(engine="llamacpp", gpu_class="cpu", model_path="/m/q4.gguf")
+    )
+    [c] = build(spec(written, threads=2))
+    assert c.name == "llama-server"

@@ -197,6 +197,11 @@ def test_bad_profiles_and_deployments_store_nothing(
     )
     assert _count(controlplane.db_url, "profiles") == profiles
 
+    # llama.cpp's own spelling is the llamacpp engine, stored as such.
+    aliased = _profile(client, model, engine="llama.cpp", gpu_class="cpu", model_path="/m.gguf")
+    assert aliased["engine"] == "llamacpp"
+    assert client.get(f"/admin/v1/profiles/{aliased['name']}").json()["engine"] == "llamacpp"
+
     p = _profile(client, model)
     deployments = _count(controlplane.db_url, "deployments")
     base = {"model": model, "profile": p["name"]}
