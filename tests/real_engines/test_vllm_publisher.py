@@ -20,11 +20,12 @@ The engine publishes what the test says; the test keeps the block set it publish
   restarted agent forward-fills from replay, with no new batch to reveal the gap);
 - after AllBlocksCleared.
 
-A frame format change in a newer vLLM shows here as a failure. A ZMQ PUB that connects drops
-what it sends before it has read its subscriber's subscription (it reads it lazily, on a later
-send), as vLLM's does after every (re)connection: each check therefore publishes a one-block
-``nudge`` batch whenever the views have not agreed for a second, which reveals a lost tail as
-a gap; the relay's own fill for a quiet engine takes 30 s.
+A frame format change in a newer vLLM shows here as a failure. vLLM's PUB drops what it sends
+before the subscription of a (re)connected SUB has reached it (ZMQ's slow joiner): batches
+published just after the agent restarts may be lost with no later batch to reveal the gap, and
+the relay's own fill for a quiet engine comes after 30 s. So a check that has not agreed for a
+second publishes a one-block nudge, which reveals such a lost tail as a gap (filled from replay
+like any other, so a nudge cannot hide a view that went partial).
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from support.procs import agent_port_base, free_port, wait_for
-from support.vllm_source import NEWEST, OLDER, SourceUnavailable, fetch
+from support.vllm_source import NEWEST, OLDER, SourceUnavailable, fetch, load_kv_events
 
+from llmgw.kv import decode_batch
 from llmgw.nodeagent.procs import kill_marked
 from tests.nodeagent.agent_harness import AgentProcess
 from tests.nodeagent.realcp import RealControlPlane
@@ -66,6 +69,72 @@ def vllm_sources() -> dict[str, Path]:
         return {v: fetch(v, log=lambda line: print(line, file=sys.stderr)) for v in SHAPES}
     except SourceUnavailable as exc:
         pytest.skip(f"vLLM's own KV-event publisher could not be fetched, NOT tested: {exc}")
+
+
+# --- the codec: every field vLLM encodes, as llmgw decodes it --------------------------------
+
+# A value for every field of vLLM's events through 0.33, none of them a default: a field vLLM
+# adds later has no value here, and the test names it.
+_VALUES: dict[str, Any] = {
+    "block_hashes": [(1 << 64) - 1, bytes(range(32))],  # int mode and a 32-byte digest
+    "parent_block_hash": 12345,
+    "token_ids": list(range(100, 100 + 2 * BLOCK_SIZE)),
+    "block_size": BLOCK_SIZE,
+    "lora_id": 7,
+    "medium": "CPU",
+    "lora_name": "adapter-a",
+    "extra_keys": [("adapter-a", ("mm-1", 0)), None],
+    "group_idx": 1,
+    "kv_cache_spec_kind": "sliding_window",
+    "kv_cache_spec_sliding_window": 4096,
+    "locality": "REMOTE",
+    "ownership": "tier-2",
+    "session_id": "session-1",
+    "lookahead_token_ids": [[17, 18], [19, 20]],
+}
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+@pytest.fixture
+def vllm_module(request: pytest.FixtureRequest, vllm_sources: dict[str, Path]) -> Iterator[Any]:
+    """vLLM's kv_events.py of the requested release, imported here; the stubs go afterwards."""
+    saved = {n: m for n, m in sys.modules.items() if n == "vllm" or n.startswith("vllm.")}
+    try:
+        yield load_kv_events(vllm_sources[request.param])
+    finally:
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("vllm_module", list(SHAPES), indirect=True)
+def test_llmgw_decodes_every_field_of_vllms_own_encoding(vllm_module: Any) -> None:
+    kv = vllm_module
+    events = []
+    for cls in (kv.BlockStored, kv.BlockRemoved):
+        names = [f.name for f in msgspec.structs.fields(cls)]
+        unknown = [n for n in names if n not in _VALUES]
+        assert not unknown, f"vLLM's {cls.__name__} has fields llmgw.kv does not know: {unknown}"
+        events.append(cls(**{n: _VALUES[n] for n in names}))
+    events.append(kv.AllBlocksCleared())
+    # Encoded as vLLM's publisher thread encodes a batch.
+    payload = msgspec.msgpack.Encoder().encode(
+        kv.KVEventBatch(ts=1.5, events=events, data_parallel_rank=3)
+    )
+    batch = decode_batch(payload, hash_form="raw").batch
+    assert (batch.ts, batch.data_parallel_rank, len(batch.events)) == (1.5, 3, 3)
+    for theirs, ours in zip(events, batch.events, strict=True):
+        assert type(ours).__name__ == type(theirs).__name__
+        for f in msgspec.structs.fields(type(theirs)):
+            assert getattr(ours, f.name) == _frozen(getattr(theirs, f.name)), f.name
+    # The int form the relay keys blocks by: a digest's last 8 bytes, big-endian.
+    stored = decode_batch(payload).batch.events[0]
+    assert stored.block_hashes == ((1 << 64) - 1, int.from_bytes(bytes(range(24, 32)), "big"))
 
 
 # --- the engines -----------------------------------------------------------------------------
@@ -257,7 +326,7 @@ class Fleet:
 
     def agree(self, engines: list[Engine], what: str, timeout_s: float = 20) -> None:
         """Wait until the index equals every engine's blocks; a second without agreement gets a
-        ``nudge`` (one new block), which reveals a batch lost last as a gap."""
+        nudge (one new block), which reveals a batch lost last as a gap (module docstring)."""
         deadline = time.monotonic() + timeout_s
         for engine in engines:
             nudge_at = time.monotonic() + 1.0

@@ -158,7 +158,7 @@ def _download(release: Release, dest: Path) -> Path:
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
         "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
-        "--implementation", "cp", "--disable-pip-version-check", "--no-input",
+        "--implementation", "cp", "--disable-pip-version-check", "--no-input", "--no-cache-dir",
         "-d", str(dest), f"vllm=={release.version}",
     ]  # fmt: skip
     try:
