@@ -14,6 +14,13 @@ frame format change in a newer release shows as a test failure.
 - ``load_kv_events(source_dir)``: imports the extracted files as ``vllm.distributed.kv_events``
   and ``vllm.config.kv_events``. What they import from the rest of vLLM is stubbed at that one
   boundary, in ``sys.modules`` (``_STUBS``); vLLM's code is never edited.
+- ``load_block_hashing(source_dir)``: imports ``vllm.v1.core.kv_cache_utils`` (block hashes,
+  their extra keys, ``NONE_HASH``) with the real ``vllm.utils.hashing``. That module imports
+  much of vLLM (configs, KV cache specs, requests, torch helpers) for code the hashing never
+  calls: each such name is a placeholder class that refuses to be instantiated
+  (``_Unavailable``), found by reading the module's own imports, so a new import in a newer
+  release needs no change here. ``vllm.envs`` is the one stub with a value: event hashes as
+  ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, vLLM's default).
 
 The stubs, and why each is enough:
 - ``vllm.logger.init_logger``: the standard library's ``logging.getLogger``;
@@ -31,6 +38,7 @@ puts a fake ``vllm`` package in ``sys.modules`` (meant for a process of its own)
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import ipaddress
@@ -56,6 +64,7 @@ __all__ = [
     "SourceUnavailable",
     "cache_dir",
     "fetch",
+    "load_block_hashing",
     "load_kv_events",
 ]
 
@@ -89,8 +98,14 @@ RELEASES = {
 NEWEST = "0.33.0"
 OLDER = "0.23.0"
 
-# What is extracted from the wheel and kept in the cache.
-FILES = ("vllm/distributed/kv_events.py", "vllm/config/kv_events.py")
+# What is extracted from the wheel and kept in the cache: the publisher and its config, and the
+# block hashing (the chain and its extra keys, and the hash functions).
+FILES = (
+    "vllm/distributed/kv_events.py",
+    "vllm/config/kv_events.py",
+    "vllm/v1/core/kv_cache_utils.py",
+    "vllm/utils/hashing.py",
+)
 # Written last, holding the wheel's digest: a cache dir without it is an interrupted fetch.
 _STAMP = "SHA256"
 _PIP_TIMEOUT_S = 900
@@ -256,18 +271,71 @@ _STUBS: dict[str, dict[str, Any]] = {
 def load_kv_events(source_dir: Path) -> types.ModuleType:
     """vLLM's ``vllm.distributed.kv_events`` from ``source_dir`` (a ``fetch`` result), its
     imports stubbed; replaces any ``vllm`` in ``sys.modules``."""
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-        del sys.modules[name]
+    _forget_vllm()
     for name, attrs in _STUBS.items():
-        module = types.ModuleType(name, "llmgw test stub (tests/support/vllm_source.py)")
-        module.__path__ = []  # a package: the real files below are found by full name
-        module.__dict__.update(attrs)
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
+        _stub(name, attrs)
     _load(source_dir, "vllm.config.kv_events")
     return _load(source_dir, "vllm.distributed.kv_events")
+
+
+class _Unavailable:
+    """A vLLM name the hashing module imports for code these tests never run."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"{type(self).__module__}.{type(self).__name__} is a placeholder "
+            "(tests/support/vllm_source.py): the code under test should not need it"
+        )
+
+
+def load_block_hashing(source_dir: Path) -> types.ModuleType:
+    """vLLM's ``vllm.v1.core.kv_cache_utils`` from ``source_dir``, with the real
+    ``vllm.utils.hashing`` and placeholders for the rest; replaces any ``vllm`` in
+    ``sys.modules``."""
+    _forget_vllm()
+    path = source_dir / "vllm/v1/core/kv_cache_utils.py"
+    imported: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
+            imported.setdefault(node.module, set()).update(a.name for a in node.names)
+    real = {"vllm.utils.hashing", "vllm.v1.core.kv_cache_utils"}
+    values: dict[str, dict[str, Any]] = {
+        "vllm": {"envs": _stub("vllm.envs", {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": True})},
+        "vllm.logger": {"init_logger": logging.getLogger},
+    }
+    modules = set(imported) | {"vllm.v1.core"}
+    for name in sorted(modules | {p for m in modules for p in _parents(m)}):
+        if name in real or name == "vllm.envs":
+            continue
+        attrs = dict(values.get(name, {}))
+        for attr in imported.get(name, ()):
+            attrs.setdefault(attr, type(attr, (_Unavailable,), {"__module__": name}))
+        _stub(name, attrs)
+    _load(source_dir, "vllm.utils.hashing")
+    return _load(source_dir, "vllm.v1.core.kv_cache_utils")
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _forget_vllm() -> None:
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def _stub(name: str, attrs: dict[str, Any]) -> types.ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name, "llmgw test stub (tests/support/vllm_source.py)")
+        module.__path__ = []  # a package: the real files below are found by full name
+        sys.modules[name] = module
+    module.__dict__.update(attrs)
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(_stub(parent, {}), child, module)
+    return module
 
 
 def _load(source_dir: Path, name: str) -> types.ModuleType:
