@@ -30,6 +30,7 @@ like any other, so a nudge cannot hide a view that went partial).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import stat
@@ -355,13 +356,15 @@ def _deployment(version: str) -> str:
 @pytest.fixture
 def fleet(db_url: str, tmp_path: Path, vllm_sources: dict[str, Path]) -> Iterator[Fleet]:
     f = Fleet(db_url, tmp_path, vllm_sources)
-    engines: list[str] = []
     try:
         yield f
     finally:
-        engines = [s["id"] for v in vllm_sources for s in f.cp.shards(_deployment(v))]
+        # The engines outlive their agent by design (adoption): kill them by their marker.
+        shard_ids = {e.shard_id for e in f.engines}
+        with contextlib.suppress(Exception):  # the control plane may be what failed
+            shard_ids |= {s["id"] for v in vllm_sources for s in f.cp.shards(_deployment(v))}
         f.close()
-        for sid in engines:
+        for sid in shard_ids:
             kill_marked(sid)
 
 
