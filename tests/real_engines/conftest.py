@@ -1,8 +1,8 @@
 """Real engines, run for real: llama.cpp's llama-server on a generated GGUF.
 
 The binary: ``LLMGW_LLAMA_SERVER`` when set (.ci/run builds it first and sets it), else what
-scripts/build-llama-server.sh prints. When a run collects real-engine tests and the variable
-is unset, the script runs once after collection, before any test (outside every test's
+scripts/build-llama-server.sh prints. When a run collects a test that needs llama-server and
+the variable is unset, the script runs once after collection, before any test (outside every test's
 timeout), its progress lines shown as they come: the first build takes ~7.5 minutes on 2
 cores, a cached one answers at once. A build that cannot be made (no compiler, no cmake, no
 package registry) skips these tests with the script's own words as the reason, which pytest's
@@ -56,13 +56,16 @@ def _build(session: pytest.Session) -> tuple[str, str]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(item.get_closest_marker("real_engine") for item in session.items):
+    # Only when a collected test runs llama-server: vLLM's publisher tests need no build.
+    if any("llama_server" in getattr(item, "fixturenames", ()) for item in session.items):
         session.config.stash[_BUILT] = _build(session)
 
 
 @pytest.fixture(scope="session")
 def llama_server(request: pytest.FixtureRequest) -> str:
-    binary, why_not = request.config.stash.get(_BUILT, ("", "not built: no real-engine test"))
+    binary, why_not = request.config.stash.get(
+        _BUILT, ("", "not built: no collected test needed it")
+    )
     if not binary:
         pytest.skip(why_not)
     if not os.access(binary, os.X_OK):
