@@ -181,7 +181,7 @@ class LoadTracker:
     def alive(self, replica: str) -> bool:
         """Whether the replica's engine answered a scrape within the last few periods."""
         at = self._scraped_at.get(replica)
-        return at is not None and self._clock() - at <= max(2.0, 4 * self._period_s)
+        return at is not None and self._clock() - at <= max(5.0, 4 * self._period_s)
 
     def observed(self, replica: str, engine_load: int) -> None:
         """The engine reported ``engine_load`` requests running + waiting, ours among them."""
