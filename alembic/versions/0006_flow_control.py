@@ -42,7 +42,10 @@ def upgrade() -> None:
         sa.Column("shed", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
         sa.Column("saturated_since", sa.DateTime(timezone=True), nullable=True),
         sa.Column(
-            "updated_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False
+            "updated_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("now()"),
+            nullable=False,
         ),
         sa.CheckConstraint(
             "queued >= 0 AND in_flight >= 0 AND shed >= 0",
