@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import aiohttp
+import httpx
 import pytest
-from gateway_testkit import SIM_KEY, Key, Served, endpoint, serve_gateway, table
+from gateway_testkit import SIM_KEY, Key, Served, endpoint, serve_asgi, serve_gateway, table
 from support.procs import wait_for
 
 from llmgw.config import GatewaySettings
@@ -176,3 +177,58 @@ def test_a_queued_stream_sees_nothing_and_leaves_when_its_client_goes(
 
         asyncio.run(scenario())
         assert 'reason="queue_timeout"' not in gw.metrics_text()
+
+
+class _BusyEngine:
+    """An engine that answers every generation 503 before any header, and reports ``load``
+    requests running on its /metrics."""
+
+    def __init__(self, load: int) -> None:
+        self.load = load
+
+    async def __call__(self, scope: dict[str, object], receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        path = str(scope["path"])
+        status, body = 503, b'{"error":"busy"}'
+        if path.endswith("/metrics"):
+            status, body = 200, f"vllm:num_requests_running {self.load}\n".encode()
+        elif path.endswith("/v1/models"):
+            status, body = 200, b'{"data":[]}'
+        await send({"type": "http.response.start", "status": status, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("load", "want"), [(6, 503), (0, 502)])
+def test_busy_is_not_broken(load: int, want: int) -> None:
+    """A replica that refuses while it reports itself loaded has its admission limit halved
+    and the request shed with 503 + Retry-After, never ejected; the same refusals at no load
+    are faults: 502, and ejection after gateway.eject_after_failures. (Loaded: 6 running of a
+    ceiling of 10; once halved to 5, the 6 leave no room and the next requests wait out their
+    queue bound: shed too, not sent.)"""
+    engine = _BusyEngine(load)
+    with serve_asgi(engine) as engine_url:
+        ep = replace(endpoint("r0", engine_url), max_in_flight=10)
+        settings = GatewaySettings(load_scrape_s=0.05, eject_after_failures=3, queue_timeout_s=0.5)
+        with serve_gateway(table({"m": (ep,)}), KEYS, settings=settings) as gw:
+            wait_for(lambda: gw.gateway.load.alive("r0") or None, timeout_s=5, what="a scrape")
+            answers = []
+            for _ in range(3):
+                r = httpx.post(
+                    f"{gw.url}/v1/completions",
+                    json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {_auth(A)}"},
+                    timeout=10,
+                )
+                answers.append((r.status_code, r.headers.get("Retry-After")))
+            metrics = gw.metrics_text()
+            if want == 503:
+                assert all(s == 503 and ra is not None for s, ra in answers), answers
+                assert gw.gateway.flow.windows.limit("r0") == 5
+                assert gw.gateway.load.healthy("r0") and gw.gateway.load.failures("r0") == 0
+                assert 'reason="replica_busy"' in metrics and 'reason="queue_timeout"' in metrics
+                assert "llmgw_gateway_ejections_total{" not in metrics
+            else:
+                assert [s for s, _ in answers] == [502] * 3
+                assert gw.gateway.flow.windows.limit("r0") == 10
+                assert not gw.gateway.load.healthy("r0")
