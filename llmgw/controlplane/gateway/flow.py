@@ -108,6 +108,8 @@ class FlowControl:
                 await asyncio.sleep(_TICK_S)
                 self.dispatch()
                 self._report()
+                for queue in self._queues.values():
+                    queue.forget_idle()  # keys seen once do not stay in memory
 
         self._task = asyncio.create_task(tick(), name="gateway-flow")
 
