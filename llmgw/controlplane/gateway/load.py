@@ -105,6 +105,9 @@ class LoadTracker:
         # replica -> its context length (max_model_len), asked once per replica.
         self.context: dict[str, int] = {}
         self._health: dict[str, _Health] = {}
+        # replica -> clock() of its last scrape answered: it is alive (busy is not broken).
+        self._scraped_at: dict[str, float] = {}
+        self._period_s = 0.5
         self._task: asyncio.Task[None] | None = None
 
     def others(self, replica: str) -> int:
@@ -175,8 +178,14 @@ class LoadTracker:
 
     # --- scraping ----------------------------------------------------------------------
 
+    def alive(self, replica: str) -> bool:
+        """Whether the replica's engine answered a scrape within the last few periods."""
+        at = self._scraped_at.get(replica)
+        return at is not None and self._clock() - at <= max(5.0, 4 * self._period_s)
+
     def observed(self, replica: str, engine_load: int) -> None:
         """The engine reported ``engine_load`` requests running + waiting, ours among them."""
+        self._scraped_at[replica] = self._clock()
         self.engine[replica] = engine_load
         self._own_at_scrape[replica] = self.in_flight.get(replica, 0)
 
@@ -213,6 +222,7 @@ class LoadTracker:
         for gone in [r for r in self.engine if r not in live]:
             del self.engine[gone]
             self._own_at_scrape.pop(gone, None)
+            self._scraped_at.pop(gone, None)
         for gone in [r for r in self.context if r not in live]:
             del self.context[gone]
 
@@ -222,6 +232,8 @@ class LoadTracker:
         endpoints: Callable[[], Iterable[Endpoint]],
         period_s: float,
     ) -> None:
+        self._period_s = period_s
+
         async def run() -> None:
             while True:
                 try:
