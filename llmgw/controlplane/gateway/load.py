@@ -2,8 +2,9 @@
 
 Load of a replica, in requests = this gateway's in-flight requests to it + the others its
 engine reports (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, scraped from the
-engine's /metrics through the agent proxy every ``scrape_s``, less this gateway's own in-flight
-at that scrape; the simulator exports the same names). The in-flight count is exact and
+engine's /metrics through the shard's front door every ``scrape_s``, less this gateway's own
+in-flight at that scrape; the simulator exports the same names, and llama-server says ``llamacpp:requests_processing`` +
+``llamacpp:requests_deferred``). The in-flight count is exact and
 immediate; the scrape adds what other gateways sent. Between two scrapes a burst from this
 gateway is seen through its in-flight count, so a burst is not piled on one replica waiting
 for the next scrape.
@@ -43,7 +44,15 @@ log = get_logger("llmgw.controlplane.gateway")
 # An engine's /metrics (vLLM's, with every histogram, is ~100-300 KB) or /v1/models; more is
 # not one, and is not read.
 _SCRAPE_MAX_BYTES = 4 * 2**20
-_LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+# Running + waiting, in each engine's own names (llama-server's seen on the build
+# docs/engines.md names).
+_LOAD_METRICS = (
+    b"vllm:num_requests_running",
+    b"vllm:num_requests_waiting",
+    b"llamacpp:requests_processing",
+    b"llamacpp:requests_deferred",
+)
+_LOAD_PREFIXES = (b"vllm:num_requests_", b"llamacpp:requests_")
 # Weight of each new request in the running mean of prefill per request (~the last 20).
 _MEAN_WEIGHT = 0.05
 
@@ -52,7 +61,7 @@ def parse_engine_load(body: bytes) -> int:
     """running + waiting from a Prometheus text exposition (summed over label sets)."""
     total = 0.0
     for line in body.splitlines():
-        if not line.startswith(b"vllm:num_requests_"):
+        if not line.startswith(_LOAD_PREFIXES):
             continue
         for name in _LOAD_METRICS:
             if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
