@@ -3,11 +3,11 @@
 Load of a replica, in requests = this gateway's in-flight requests to it + the others its
 engine reports (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, scraped from the
 engine's /metrics through the shard's front door every ``scrape_s``, less this gateway's own
-in-flight at that scrape; the simulator exports the same names, and llama-server says ``llamacpp:requests_processing`` +
-``llamacpp:requests_deferred``). The in-flight count is exact and
-immediate; the scrape adds what other gateways sent. Between two scrapes a burst from this
-gateway is seen through its in-flight count, so a burst is not piled on one replica waiting
-for the next scrape.
+in-flight at that scrape; the simulator exports the same names, and llama-server says
+``llamacpp:requests_processing`` + ``llamacpp:requests_deferred``). The in-flight count is
+exact and immediate; the scrape adds what other gateways sent. Between two scrapes a burst
+from this gateway is seen through its in-flight count, so a burst is not piled on one replica
+waiting for the next scrape.
 
 Work of a replica, in prompt tokens = the prefill still queued there: each of this gateway's
 requests counts the part of its prompt the engine must compute (its length less the share
