@@ -11,6 +11,7 @@ so that one firewall rule opens exactly what gateways and Prometheus reach.
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterable
 
@@ -45,7 +46,10 @@ class PortAllocator:
         self._host = host
         self._setting = setting
         self._held: set[int] = set()
-        self._next = start
+        # From a random place in the range, then in turn: two allocators over one range (two
+        # `llmgw up`s on a machine, an agent beside a test run) would otherwise both offer its
+        # first free port and race to bind it, and the loser's shard fails its first start.
+        self._next = start + random.randrange(end - start + 1) if end >= start else start
 
     def hold(self, ports: Iterable[int]) -> None:
         """Mark ports in use (by a recovered record), whether or not in the range."""
