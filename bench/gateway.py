@@ -131,11 +131,11 @@ class StubAgent:
         resp = RegisterResponse.model_validate_json(r.content)
         self.node_id, self._credential = resp.node_id, resp.node_credential
 
-    def sync_once(self) -> None:
-        from llmgw.protocol.sync import SYNC_PATH, ShardBinding, SyncRequest, SyncResponse
+    def bindings(self) -> tuple[Any, ...]:
+        """What each sync reports: every running leader ready at the canned upstream."""
+        from llmgw.protocol.sync import ShardBinding
 
-        self._seq += 1
-        bindings = tuple(
+        return tuple(
             ShardBinding(
                 shard_id=d.shard_id,
                 observed_state="ready",
@@ -149,6 +149,12 @@ class StubAgent:
             for d in self._desired
             if self.ready and d.rank == 0 and d.desired_state == "running"
         )
+
+    def sync_once(self) -> None:
+        from llmgw.protocol.sync import SYNC_PATH, SyncRequest, SyncResponse
+
+        self._seq += 1
+        bindings = self.bindings()
         req = SyncRequest(
             node_id=self.node_id,
             agent_epoch=self._epoch,

@@ -83,15 +83,14 @@ class SimAgent(StubAgent):
             source="sim",
         )
 
-    def sync_once(self) -> None:
-        from llmgw.protocol.sync import SYNC_PATH, ShardBinding, SyncRequest, SyncResponse
+    def bindings(self) -> tuple[Any, ...]:
+        from llmgw.protocol.sync import ShardBinding
 
-        self._seq += 1
         running = sorted(
             (d for d in self._desired if d.rank == 0 and d.desired_state == "running"),
             key=lambda d: d.shard_id,
         )
-        bindings = tuple(
+        return tuple(
             ShardBinding(
                 shard_id=d.shard_id,
                 observed_state="ready",
@@ -105,25 +104,6 @@ class SimAgent(StubAgent):
             for d, url in zip(running, self.sims, strict=False)
             if self.ready
         )
-        req = SyncRequest(
-            node_id=self.node_id,
-            agent_epoch=self._epoch,
-            seq=self._seq,
-            desired_version=self._version,
-            bindings=bindings,
-            inventory=self._inventory,
-        )
-        r = self._client.post(
-            self.cp_url + SYNC_PATH,
-            content=req.model_dump_json(),
-            headers={"Authorization": f"Bearer {self._credential}"},
-        )
-        r.raise_for_status()
-        resp = SyncResponse.model_validate_json(r.content)
-        if resp.shards is not None:
-            self._desired = list(resp.shards)
-            self.keys = {d.shard_id: d.engine_api_key for d in resp.shards}
-        self._version = resp.desired_version
 
 
 def _rss_bytes(pid: int) -> int:
