@@ -40,6 +40,7 @@ from llmgw.nodeagent.inventory import (
 from llmgw.nodeagent.metrics import AgentMetrics, EndpointServer
 from llmgw.nodeagent.policy import LocalPolicy
 from llmgw.nodeagent.prepare import NodeFacts
+from llmgw.nodeagent.proxy import proxy_limits
 from llmgw.nodeagent.records import ShardRecord
 from llmgw.nodeagent.state import AgentState
 from llmgw.nodeagent.supervisor import ShardHooks, Supervisor
@@ -366,14 +367,10 @@ class Agent:
         s = self.settings
         proxy, local = fit_connections(
             [
-                ListenerLimits(
-                    listener="proxy",
+                proxy_limits(
                     max_connections=s.proxy_max_connections,
                     max_header_bytes=s.max_header_bytes,
                     header_timeout_s=s.header_timeout_s,
-                    connections_setting="agent.proxy_max_connections",
-                    header_bytes_setting="agent.max_header_bytes",
-                    fds_per_connection=2,  # the client's, and the one to its engine
                 ),
                 ListenerLimits(
                     listener="agent-metrics",

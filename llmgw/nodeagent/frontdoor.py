@@ -77,20 +77,16 @@ class FrontDoor:
     def start(self) -> int:
         """Listen; OSError when the port cannot be bound (the shard cannot be served)."""
         # Imported here: a wrapper of a rank without a front door never loads aiohttp.
-        from llmgw.listeners import FD_RESERVE, ListenerLimits, fit_connections
-        from llmgw.nodeagent.proxy import EngineProxy, ProxyRoute
+        from llmgw.listeners import FD_RESERVE, fit_connections
+        from llmgw.nodeagent.proxy import EngineProxy, ProxyRoute, proxy_limits
 
         d = self.launch
         (limits,) = fit_connections(
             [
-                ListenerLimits(
-                    listener="proxy",
+                proxy_limits(
                     max_connections=d.max_connections,
                     max_header_bytes=d.max_header_bytes,
                     header_timeout_s=d.header_timeout_s,
-                    connections_setting="agent.proxy_max_connections",
-                    header_bytes_setting="agent.max_header_bytes",
-                    fds_per_connection=2,  # the client's, and the one to the engine
                 )
             ],
             reserve=FD_RESERVE,

@@ -49,7 +49,7 @@ from llmgw.listeners import (
 )
 from llmgw.logs import get_logger
 
-__all__ = ["ALLOWED_PATHS", "DEFAULT_LIMITS", "EngineProxy", "ProxyRoute"]
+__all__ = ["ALLOWED_PATHS", "DEFAULT_LIMITS", "EngineProxy", "ProxyRoute", "proxy_limits"]
 
 _log = get_logger(__name__)
 
@@ -76,16 +76,28 @@ _ENCODED_TRAVERSAL = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
 _SHARD_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,200}")
 
 
+def proxy_limits(
+    *, max_connections: int, max_header_bytes: int, header_timeout_s: float
+) -> ListenerLimits:
+    """A front door's listener bounds, from the agent's settings of the same names; each
+    connection may hold a second one, to its engine."""
+    return ListenerLimits(
+        listener="proxy",
+        max_connections=max_connections,
+        max_header_bytes=max_header_bytes,
+        header_timeout_s=header_timeout_s,
+        connections_setting="agent.proxy_max_connections",
+        header_bytes_setting="agent.max_header_bytes",
+        fds_per_connection=2,
+    )
+
+
 # What the agent's settings default to (agent.proxy_max_connections, agent.max_header_bytes,
-# agent.header_timeout_s); each connection may hold a second one, to its engine.
-DEFAULT_LIMITS = ListenerLimits(
-    listener="proxy",
+# agent.header_timeout_s).
+DEFAULT_LIMITS = proxy_limits(
     max_connections=4096,
     max_header_bytes=DEFAULT_MAX_HEADER_BYTES,
     header_timeout_s=DEFAULT_HEADER_TIMEOUT_S,
-    connections_setting="agent.proxy_max_connections",
-    header_bytes_setting="agent.max_header_bytes",
-    fds_per_connection=2,
 )
 
 
