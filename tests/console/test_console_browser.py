@@ -235,6 +235,14 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             assert anonymous.get("/overview/live").status_code == 401
             anonymous.cookies.set("llmgw_console", cookie["value"])
             assert anonymous.get("/overview").status_code == 303  # signed out
+            big = anonymous.post("/sign-in", data={"token": "x" * 20_000})
+            assert big.status_code == 413, big.text
+            # Guessing the token: a burst of failures, then 429 with Retry-After.
+            for _ in range(12):
+                guess = anonymous.post("/sign-in", data={"token": "guess"})
+                if guess.status_code != 401:
+                    break
+            assert guess.status_code == 429 and int(guess.headers["retry-after"]) >= 1
         assert admin.get("/deployments/demo").json()["replicas"] == 3
 
         took_s = time.monotonic() - t0

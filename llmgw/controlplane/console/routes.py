@@ -43,6 +43,9 @@ _MAX_FORM_BYTES = 16 * 1024
 # A node that has not synced for this long is listed under "needs attention" (agents sync
 # every ~2 s; the reconciler's own grace is longer).
 _STALE_SYNC_S = 30.0
+# Rows of one list a page renders (replicas, attention lines): with the page's other parts
+# this keeps its HTML under 100 KB however large the fleet; the rest is counted, not shown.
+_MAX_ROWS = 100
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
@@ -245,12 +248,14 @@ def _routes(router: APIRouter, c: Console) -> None:
         deployments = await c.calls.items("deployments")
         replicas = await c.calls.items("replicas")
         now = _now()
+        attention = fleet_view.attention(
+            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S
+        )
         return {
             "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
             "deployments": [{**d, "rollout": fleet_view.rollout_text(d)} for d in deployments],
-            "attention": fleet_view.attention(
-                nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S
-            ),
+            "attention": attention[:_MAX_ROWS],
+            "more_attention": max(len(attention) - _MAX_ROWS, 0),
             "now": now.strftime("%H:%M:%S UTC"),
             "limit": PAGE_LIMIT,
         }
@@ -281,9 +286,11 @@ def _routes(router: APIRouter, c: Console) -> None:
         actions = (await c.calls.get("/admin/v1/actions", deployment=name, limit=20)).get(
             "items"
         ) or []
+        mine = [r for r in replicas if r.get("deployment") == name]
         return {
             "d": {**d, "rollout": fleet_view.rollout_text(d)},
-            "replicas": [r for r in replicas if r.get("deployment") == name],
+            "replicas": mine[:_MAX_ROWS],
+            "more_replicas": max(len(mine) - _MAX_ROWS, 0),
             "actions": actions,
             "now": _now().strftime("%H:%M:%S UTC"),
         }
