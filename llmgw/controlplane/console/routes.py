@@ -17,7 +17,7 @@ import hmac
 import time
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -133,8 +133,12 @@ class Console:
             # Browsers send Origin with every POST; a client without one is not a browser
             # page another site controls (curl, a test), and still needs cookie and token.
             return True
-        own = f"{request.url.scheme}://{request.headers.get('host', '')}"
-        return hmac.compare_digest(origin.encode(), own.encode())
+        # Host and port only: behind a proxy that terminates TLS the browser's origin is
+        # https:// while this listener sees plain HTTP; the Host header is the same.
+        sent = urlsplit(origin).netloc
+        return bool(sent) and hmac.compare_digest(
+            sent.encode(), request.headers.get("host", "").encode()
+        )
 
     async def form(self, request: Request, session: Session | None) -> dict[str, str]:
         """The posted form, after the origin (and, with a session, the CSRF token) check."""
@@ -185,6 +189,13 @@ def install_console(app: FastAPI, *, admin_token: str) -> Console:
     return console
 
 
+def _over_tls(request: Request) -> bool:
+    """Whether the browser reached us over HTTPS: directly, or through a proxy that
+    terminates TLS and says so (trusting the header can only make the cookie stricter)."""
+    forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return request.url.scheme == "https" or forwarded == "https"
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -228,7 +239,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             path=PREFIX,
             httponly=True,
             samesite="strict",
-            secure=request.url.scheme == "https",
+            secure=_over_tls(request),
         )
         return r
 
