@@ -290,6 +290,8 @@ def _routes(router: APIRouter, c: Console) -> None:
         )
 
     # --- a deployment --------------------------------------------------------------------
+    # Names may hold "/" ({name:path}); the routes with a suffix come first, or the bare
+    # one would take "x/live" for a deployment named so.
 
     async def deployment_context(name: str) -> dict[str, Any]:
         d = await c.calls.get(f"/admin/v1/deployments/{quote(name, safe='')}")
@@ -306,16 +308,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             "now": _now().strftime("%H:%M:%S UTC"),
         }
 
-    @router.get("/deployments/{name}")
-    async def deployment(request: Request, name: str) -> Response:
-        s = c.page_session(request)
-        try:
-            ctx = await deployment_context(name)
-        except AdminCallError as exc:
-            return c.html("error.html", status=exc.status, session=s, message=exc.message)
-        return c.html("deployment.html", session=s, page="overview", **ctx)
-
-    @router.get("/deployments/{name}/live")
+    @router.get("/deployments/{name:path}/live")
     async def deployment_live(request: Request, name: str) -> Response:
         s = c.fragment_session(request)
         try:
@@ -324,7 +317,16 @@ def _routes(router: APIRouter, c: Console) -> None:
             return c.html("error_fragment.html", status=exc.status, message=exc.message)
         return c.html("deployment_live.html", session=s, **ctx)
 
-    @router.post("/deployments/{name}/scale")
+    @router.get("/deployments/{name:path}")
+    async def deployment(request: Request, name: str) -> Response:
+        s = c.page_session(request)
+        try:
+            ctx = await deployment_context(name)
+        except AdminCallError as exc:
+            return c.html("error.html", status=exc.status, session=s, message=exc.message)
+        return c.html("deployment.html", session=s, page="overview", **ctx)
+
+    @router.post("/deployments/{name:path}/scale")
     async def scale(request: Request, name: str) -> Response:
         s, fields = await c.post_session(request)
         wanted = fields.get("replicas", "")
@@ -412,7 +414,7 @@ def _routes(router: APIRouter, c: Console) -> None:
         s = c.fragment_session(request)
         return c.html("nodes_live.html", session=s, **await nodes_context())
 
-    @router.post("/nodes/{name}/{verb}")
+    @router.post("/nodes/{name:path}/{verb}")
     async def node_action(request: Request, name: str, verb: str) -> Response:
         s, _ = await c.post_session(request)
         if verb not in ("approve", "cordon", "uncordon", "drain"):
