@@ -210,8 +210,15 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
 
             # --- nodes ---------------------------------------------------------------------
             page.get_by_role("link", name="Nodes").click()
-            expect(page.get_by_role("button", name="Cordon node").first).to_be_visible()
+            node = admin.get("/nodes").json()["items"][0]["name"]
             _weigh(page, "nodes", len(page.content().encode()), weights)
+            with page.expect_navigation():
+                page.get_by_role("button", name=f"Cordon node {node}").click()
+            expect(page.get_by_role("button", name=f"Uncordon node {node}")).to_be_visible()
+            assert admin.get(f"/nodes/{node}").json()["cordoned"] is True
+            with page.expect_navigation():
+                page.get_by_role("button", name=f"Uncordon node {node}").click()
+            assert admin.get(f"/nodes/{node}").json()["cordoned"] is False
 
             # --- a cross-site form post is refused, though the browser sent the cookie -----
             with _cross_site_page(f"{base}/deployments/demo/scale") as evil:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from starlette.types import ASGIApp
 
-__all__ = ["AdminCallError", "AdminCalls"]
+__all__ = ["PAGE_LIMIT", "AdminCallError", "AdminCalls"]
 
 # Pages show at most this many of anything: a page's HTML stays small whatever the fleet's size.
 PAGE_LIMIT = 200
