@@ -219,6 +219,11 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             with page.expect_navigation():
                 page.get_by_role("button", name=f"Uncordon node {node}").click()
             assert admin.get(f"/nodes/{node}").json()["cordoned"] is False
+            page.get_by_role("button", name=f"Drain node {node}").click()
+            expect(page.get_by_role("heading", level=1)).to_have_text(f"Drain node {node}?")
+            page.get_by_role("link", name="Cancel").click()
+            page.wait_for_url(f"{base}/nodes")
+            assert admin.get(f"/nodes/{node}").json()["draining"] is False
 
             # --- a cross-site form post is refused, though the browser sent the cookie -----
             with _cross_site_page(f"{base}/deployments/demo/scale") as evil:

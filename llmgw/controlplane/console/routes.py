@@ -416,12 +416,15 @@ def _routes(router: APIRouter, c: Console) -> None:
 
     @router.post("/nodes/{name:path}/{verb}")
     async def node_action(request: Request, name: str, verb: str) -> Response:
-        s, _ = await c.post_session(request)
+        s, fields = await c.post_session(request)
         if verb not in ("approve", "cordon", "uncordon", "drain"):
             return c.html(
                 "error.html", status=404, session=s,
                 message="a node's actions are approve, cordon, uncordon and drain",
             )  # fmt: skip
+        if verb == "drain" and fields.get("confirmed") != "yes":
+            # Draining moves every shard off the node: confirmed on a page of its own.
+            return c.html("confirm_drain.html", session=s, node=name)
         try:
             await c.calls.post(f"/admin/v1/nodes/{quote(name, safe='')}/{verb}")
         except AdminCallError as exc:
