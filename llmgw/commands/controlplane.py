@@ -74,6 +74,7 @@ def controlplane(
         libpq_url=libpq_url(cp.database_url),
         registry=internal.state.metrics,
         intake=intake,
+        instance_id=internal.state.instance_id,
     )
     listeners = [
         Listener(

@@ -72,6 +72,8 @@ def _limits(out: dict[str, Any]) -> str:
         parts.append(f"{out['token_quota']} tokens per {out['quota_period']}")
     if out.get("concurrency_limit") is not None:
         parts.append(f"{out['concurrency_limit']} in flight")
+    if out.get("priority"):
+        parts.append(f"queue priority {out['priority']}")
     if out.get("cache_salted"):
         parts.append("own KV cache (salted)")
     if out.get("expires_at"):
@@ -99,6 +101,13 @@ def create(
     concurrency: Annotated[
         int | None, typer.Option(help="Requests in flight at once (per gateway).")
     ] = None,
+    priority: Annotated[
+        int,
+        typer.Option(
+            help="Weight in the gateway queue while keys wait: served priority + 1 times the "
+            "tokens of a priority-0 key (0-100)."
+        ),
+    ] = 0,
     expires: Annotated[
         str | None,
         typer.Option(help="When it stops working: a date, an ISO time, or a duration (90d)."),
@@ -129,6 +138,7 @@ def create(
         "quota": quota,
         "period": period,
         "concurrency": concurrency,
+        "priority": priority,
         "expires_at": None if expires is None else parse_time(expires, option="--expires"),
         "cache_salt": cache_salt,
     }

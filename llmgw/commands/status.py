@@ -29,6 +29,7 @@ from llmgw.commands._admin_client import (
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.controlplane.console.fleet_view import prefix_hit_rates, rollout_text
+from llmgw.errors import LlmgwError
 
 __all__ = ["collect", "prefix_hit_rates", "render", "status"]
 
@@ -95,6 +96,7 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
         )
     rates = _metrics(conn)
     return {
+        "demand": _demand(client),
         "nodes": [
             {
                 "name": n.get("name"),
@@ -113,6 +115,16 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
         "shards": shards,
         "prefix_routing": rates,
     }
+
+
+def _demand(client: AdminClient) -> list[dict[str, Any]] | None:
+    """The gateways' per-model demand; None from a control plane that predates it."""
+    try:
+        reply = client.request("GET", "/demand")
+    except LlmgwError:
+        return None
+    items = reply.get("items") if isinstance(reply, dict) else None
+    return items if isinstance(items, list) else None
 
 
 def _age(ts: Any) -> str:
@@ -200,6 +212,25 @@ def render(data: dict[str, Any]) -> str:
             ],
         )
     )
+    demand = data.get("demand")
+    if demand:
+        parts.append("\nGATEWAY DEMAND (every gateway reporting)")
+        parts.append(
+            _table(
+                ["MODEL", "STATE", "QUEUED", "IN FLIGHT", "SHED", "SATURATED FOR"],
+                [
+                    [
+                        m["model"],
+                        "saturated" if m.get("saturated") else "ok",
+                        m.get("queued", 0),
+                        m.get("in_flight", 0),
+                        m.get("shed", 0),
+                        _age(m.get("saturated_since")) if m.get("saturated") else "-",
+                    ]
+                    for m in demand
+                ],
+            )
+        )
     parts.append("\nPREFIX ROUTING (this control plane, since it started)")
     rates = data["prefix_routing"]
     if rates is None:

@@ -148,3 +148,26 @@ class GatewaySettings(Section):
     upstream_pool_size: int = Field(
         default=512, ge=1, description="Open connections to engines at most (all replicas)."
     )
+    queue_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=600,
+        description="Longest a request waits in the gateway's queue for a replica with room "
+        "(every replica at its admission limit); past it the request is shed with 503 and a "
+        "Retry-After from the queue's drain rate.",
+    )
+    queue_max_requests: int = Field(
+        default=10_000,
+        ge=0,
+        le=1_000_000,
+        description="Requests one model's queue holds at most (default 10,000: a burst of "
+        "that size waits instead of failing, at a few KiB of gateway memory each); more are "
+        "shed with 503. 0: no queue, shed whatever finds no room.",
+    )
+    queue_max_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=0,
+        le=64 * 1024**3,
+        description="Request body bytes one model's queue holds at most (default 256 MiB), so "
+        "a queue of large prompts cannot exhaust the gateway's memory; more are shed with 503.",
+    )

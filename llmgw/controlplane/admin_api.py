@@ -21,6 +21,7 @@ from llmgw.controlplane.admin import (
     actions,
     apply,
     debug_kv,
+    demand,
     deployments,
     discovery,
     gpu_classes,
@@ -52,6 +53,7 @@ for _module in (
     debug_kv,
     keys,
     usage,
+    demand,
     discovery,
 ):
     admin_router.include_router(_module.router)

@@ -13,6 +13,8 @@ every node, so its API must not answer on an address published to clients.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.types import ASGIApp
@@ -20,6 +22,7 @@ from starlette.types import ASGIApp
 from llmgw.config import GatewaySettings
 from llmgw.controlplane.gateway.accounting import UsageRecorder
 from llmgw.controlplane.gateway.app import Gateway
+from llmgw.controlplane.gateway.demand import DemandReporter
 from llmgw.controlplane.gateway.errors import internal_error
 from llmgw.controlplane.gateway.keys import KeyCache, KeyContext
 from llmgw.controlplane.gateway.limits import Limiter
@@ -38,12 +41,20 @@ def create_public_app(
     libpq_url: str,
     registry: CollectorRegistry,
     intake: KvView,
+    instance_id: str = "",
 ) -> ASGIApp:
-    """``intake``: the KV index the agent API feeds (the process's ``KvIntake``)."""
+    """``intake``: the KV index the agent API feeds (the process's ``KvIntake``);
+    ``instance_id``: this control plane's, under which the gateway reports its demand
+    (empty: no report)."""
     keys = KeyCache(sessions=sessions, libpq_url=libpq_url)
     recorder = UsageRecorder(sessions=sessions)
     limiter = Limiter(recorder=recorder)
     routes = RouteCache(sessions, libpq_url=libpq_url, refresh_s=settings.routes_refresh_s)
+    holder: list[Gateway[KeyContext]] = []
+    demand = DemandReporter(
+        sessions, instance_id=instance_id, flow=lambda: holder[0].flow, clock=time.monotonic
+    )
+    reports = (demand.start,) if instance_id else ()
     gateway: Gateway[KeyContext] = Gateway(
         settings=settings,
         routes=routes,
@@ -52,7 +63,8 @@ def create_public_app(
         metrics=GatewayMetrics.create(registry),
         intake=intake,
         # Stopped in reverse: routes, then the recorder's final flush, then the keys.
-        starts=(keys.start, recorder.start, routes.start),
-        stops=(keys.stop, recorder.stop, routes.stop),
+        starts=(keys.start, recorder.start, routes.start, *reports),
+        stops=(keys.stop, recorder.stop, routes.stop, demand.stop),
     )
+    holder.append(gateway)
     return RequestLog(gateway, listener="public", internal_error=internal_error)

@@ -258,6 +258,15 @@ class _ProfileFields(_Request):
         description="How a replica spanning nodes is wired: a Ray cluster, or the engine's own "
         "multi-node launch (vLLM's --nnodes/--node-rank). Ignored on one node.",
     )
+    max_in_flight: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Requests (running plus waiting) the gateways send one replica at most; "
+        "the rest wait in the gateway's fair queue. 0: the engine's default, its batch limit "
+        "(vLLM --max-num-seqs, ...) plus half of it waiting. Not in the fingerprint: editing "
+        "it rolls nothing, the gateways apply it within seconds.",
+    )
     description: Description = ""
 
     @field_validator("kv_hash_seed")
@@ -303,6 +312,7 @@ class ProfileUpdate(_Request):
     kv_hash_algo: Literal["sha256_cbor"] | None = None
     kv_extra_key_format: Literal["tagged", "legacy"] | None = None
     multinode_backend: MultinodeBackend | None = None
+    max_in_flight: int | None = Field(default=None, ge=0, le=1_000_000)
     description: Description | None = None
 
     _seed_ok = field_validator("kv_hash_seed")(_ProfileFields._seed_ok.__func__)  # type: ignore[attr-defined]
@@ -330,6 +340,7 @@ class ProfileOut(_Response):
     kv_hash_algo: str
     kv_extra_key_format: str
     multinode_backend: str
+    max_in_flight: int
     description: str
     fingerprint: str
     version: int

@@ -229,6 +229,9 @@ async def serve(
                 timeout_graceful_shutdown=max(1, round(grace_s)),
                 lifespan="auto",
                 http=uvicorn_protocol(lim),
+                # A burst of thousands of connects at once overflowed uvicorn's default
+                # backlog (2048): the kernel reset some. The kernel caps it at somaxconn.
+                backlog=max(2048, lim.max_connections),
             )
         )
         for lst, lim in zip(listeners, limits, strict=True)

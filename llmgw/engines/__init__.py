@@ -21,6 +21,7 @@ flags refuses them in its own policy with `refused_flags` (or
 accepts: `--trust_remote_code`, `--trust-rem`, `--trust-remote-code=true`.
 """
 
+from llmgw.engines.admission import default_max_in_flight, max_in_flight
 from llmgw.engines.command import (
     REDACTED,
     Command,
@@ -114,9 +115,11 @@ __all__ = [
     "canonical_engine",
     "check_replica_specs",
     "check_secret_refs",
+    "default_max_in_flight",
     "hash_seed_problem",
     "is_secret_name",
     "is_valid_hash_seed",
+    "max_in_flight",
     "parse_gpus",
     "parse_secret_ref",
     "parse_shard_spec",

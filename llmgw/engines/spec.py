@@ -196,6 +196,10 @@ class Profile(_Wire):
     threads: int = Field(default=0, ge=0)
     kv_hash: KVHashParams = Field(default_factory=KVHashParams)
     multinode_backend: MultinodeBackend = "ray"
+    # The gateway's admission ceiling per replica (requests running plus waiting, all
+    # gateways); 0: the engine's default (engines/admission.py). Not part of the fingerprint:
+    # it changes what is sent to the process, not the process.
+    max_in_flight: int = Field(default=0, ge=0, le=1_000_000)
 
     @field_validator("engine")
     @classmethod

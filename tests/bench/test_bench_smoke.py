@@ -182,3 +182,19 @@ def test_routing_bench_reports_hit_rates_ttft_and_the_oracle() -> None:
         assert got["median"]["clairvoyant_ttft_p90_ms"] > 0
     # The shared prompts repeat, so something must have hit somewhere.
     assert result["results"]["shared_prefix"]["precise"]["cached_tokens"] > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_the_overload_bench_runs_every_level_and_gateway_count(tmp_path: Path) -> None:
+    overload = _load("overload")
+    png = tmp_path / "overload.png"
+    report = overload.main(["--levels", "20,60", "--gateways", "1,2", "--png", str(png)])
+    for run in report["runs"].values():
+        assert [lv["offered"] for lv in run["levels"]] == [20, 60]
+        for lv in run["levels"]:
+            assert lv["completed"] + round(lv["shed_share"] * lv["offered"]) == lv["offered"]
+            assert lv["failed"] == 0 and lv["ttft_ms"]["n"] == lv["completed"]
+    assert set(report["runs"]) == {"1 gateway", "2 gateways"}
+    chart = report["chart"]
+    assert (chart == str(png) and png.stat().st_size > 0) or chart.startswith("skipped")

@@ -342,3 +342,20 @@ def test_an_unknown_field_with_no_near_name_lists_the_fields(client: httpx.Clien
     r = client.post("/apply", json={"documents": [{"kind": "model", "name": "x", "colour": 1}]})
     [problem] = r.json()["error"]["problems"]
     assert problem["message"] == "unknown field `colour`; the fields here are: name, description"
+
+
+def test_max_in_flight_is_configured_without_a_roll(client: httpx.Client, cp: ControlPlane) -> None:
+    """A profile's admission ceiling changes what the gateways send, not the process: the
+    fingerprint and the deployment's generation stay; the profile's version moves."""
+    model, profile, dep = name("m"), name("p"), name("d")
+    _apply(client, _docs(model, profile, dep))
+    stored = client.get(f"/profiles/{profile}").json()
+    assert stored["max_in_flight"] == 0  # the engine's default
+    assert _apply(client, _docs(model, profile, dep, max_in_flight=40))[2] == (
+        2, "profile", "configured",
+    )  # fmt: skip
+    p = client.get(f"/profiles/{profile}").json()
+    assert (p["max_in_flight"], p["fingerprint"]) == (40, stored["fingerprint"])
+    assert client.get(f"/deployments/{dep}").json()["generation"] == 1
+    r = client.patch(f"/profiles/{profile}", json={"version": p["version"], "max_in_flight": 0})
+    assert r.status_code == 200 and r.json()["fingerprint"] == stored["fingerprint"], r.text

@@ -18,7 +18,7 @@ import pytest
 from gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, table
 from support.procs import free_port, wait_for
 
-from llmgw.controlplane.gateway.load import LoadTracker
+from llmgw.controlplane.gateway.load import LoadTracker, parse_engine_load
 from llmgw.controlplane.gateway.router import HashParams
 from llmgw.controlplane.gateway.tokenize import Tokenizer
 from llmgw.controlplane.gateway.wire import prompt_of
@@ -43,6 +43,26 @@ def test_a_requests_prefill_is_work_until_its_first_token() -> None:
     t.finished("r", 40.0)  # ended before its first token: what was left goes too
     assert (t.load("r"), t.work("r")) == (0, 0.0)
     assert not t.in_flight and not t.prefill  # nothing left behind per replica
+
+
+def test_engine_load_reads_vllms_and_llama_servers_names_and_nothing_else() -> None:
+    vllm = b"""# HELP vllm:num_requests_running x
+vllm:num_requests_running{model_name="m"} 3.0
+vllm:num_requests_waiting{model_name="m"} 2.0
+vllm:num_requests_running_total 99
+"""
+    # As llama-server 11434.0.0 exposes them (tests/real_engines).
+    llama = b"""# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 5
+llamacpp:requests_processing_seconds 77
+llamacpp:prompt_tokens_total 1000
+"""
+    assert parse_engine_load(vllm) == 5
+    assert parse_engine_load(llama) == 7
+    assert parse_engine_load(b"other_metric 4\n") == 0
 
 
 async def _metrics_app(scope: Any, receive: Any, send: Any) -> None:

@@ -77,6 +77,12 @@ async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
             )
             await cache.refresh()
             assert cache.table.routes["alpha"].endpoints[0].incarnation == "boot-1:4242:99"
+            # The admission ceiling: the engine's default (sim: 256 + 128 waiting), then the
+            # profile's live max_in_flight, read without a roll.
+            assert cache.table.routes["alpha"].endpoints[0].max_in_flight == 384
+            await _sql(sessions, "UPDATE profiles SET max_in_flight = 40 WHERE name = 'alpha-sim'")
+            await cache.refresh()
+            assert cache.table.routes["alpha"].endpoints[0].max_in_flight == 40
             # Draining: known (503), not routable.
             assert beta.endpoints == ()
             # Every shard released (scaled to zero, or replaced): still known, from the

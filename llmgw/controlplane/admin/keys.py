@@ -71,6 +71,13 @@ class ApiKeyCreate(_Request):
     concurrency: int | None = Field(
         default=None, ge=1, le=_INT32_MAX, description="Requests in flight per gateway."
     )
+    priority: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Weight in the gateway queue's fairness: while keys wait, a key of "
+        "priority p is served p + 1 times the tokens of a priority-0 key.",
+    )
     expires_at: AwareDatetime | None = Field(default=None, description="Null: never expires.")
     cache_salt: bool | str = Field(
         default=False,
@@ -109,6 +116,7 @@ class ApiKeyOut(_Response):
     token_quota: int | None
     quota_period: str | None
     concurrency_limit: int | None
+    priority: int
     cache_salted: bool = Field(description="Whether the key has a cache salt (never shown).")
     expires_at: datetime | None
     disabled: bool = Field(description="Revoked: the gateway refuses it; its usage is kept.")
@@ -134,6 +142,7 @@ def _out(row: ApiKey) -> ApiKeyOut:
         token_quota=row.token_quota,
         quota_period=row.quota_period,
         concurrency_limit=row.concurrency_limit,
+        priority=row.priority,
         cache_salted=row.cache_salt is not None,
         expires_at=row.expires_at,
         disabled=row.disabled,
@@ -192,6 +201,7 @@ async def create_key(body: ApiKeyCreate, session: Session, audit: AuditOf) -> Ap
         token_quota=body.quota,
         quota_period=period,
         concurrency_limit=body.concurrency,
+        priority=body.priority,
         cache_salt=salt,
         expires_at=body.expires_at,
     )

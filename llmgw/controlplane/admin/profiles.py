@@ -69,6 +69,7 @@ def _view(p: Profile, model_name: str) -> ProfileOut:
         kv_hash_algo=p.kv_hash_algo,
         kv_extra_key_format=p.kv_extra_key_format,
         multinode_backend=p.multinode_backend,
+        max_in_flight=p.max_in_flight,
         description=p.description,
         fingerprint=p.fingerprint,
         version=p.version,

@@ -49,6 +49,7 @@ from llmgw.controlplane.gateway.errors import (
     method_not_allowed,
     unknown_url,
 )
+from llmgw.controlplane.gateway.flow import FlowControl
 from llmgw.controlplane.gateway.load import LoadTracker
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.relay import DisconnectWatch, Relay
@@ -70,7 +71,7 @@ from llmgw.controlplane.gateway.routing_inputs import (
     tree_key,
 )
 from llmgw.controlplane.gateway.tokenize import Tokenizer, tokenize_payload
-from llmgw.controlplane.gateway.upstream import Upstream
+from llmgw.controlplane.gateway.upstream import Busy, Upstream
 from llmgw.controlplane.gateway.wire import (
     Prompt,
     Settleable,
@@ -148,8 +149,14 @@ class Gateway(Generic[K]):
         )
         self.tree = ApproxTree(max_entries=s.approx_max_entries, ttl_s=s.approx_ttl_s)
         self.computing = claims_tree()
+        self.flow = FlowControl(s, load=self.load, metrics=self.metrics, clock=self.clock)
         self.upstream = Upstream(
-            s, load=self.load, computing=self.computing, metrics=self.metrics, clock=self.clock
+            s,
+            load=self.load,
+            computing=self.computing,
+            metrics=self.metrics,
+            clock=self.clock,
+            windows=self.flow.windows,
         )
         self.relay = Relay(self.upstream, self.metrics, self.clock)
         self._random = random.Random()
@@ -166,11 +173,14 @@ class Gateway(Generic[K]):
         for start in self.starts:
             await start()
         await self.load.start(http, self._ready_endpoints, s.load_scrape_s)
+        self._table()
+        await self.flow.start()
         self._stats_task = asyncio.create_task(self._stats(), name="gateway-stats")
 
     async def shutdown(self) -> None:
         # uvicorn has stopped accepting and let open streams finish (controlplane grace) by now.
         await cancel_and_wait(self._stats_task)
+        await self.flow.stop()
         await self.load.stop()
         for stop in reversed(self.stops):
             try:
@@ -188,6 +198,7 @@ class Gateway(Generic[K]):
         if table is self._seen_table:
             return table
         self._seen_table = table
+        self.flow.configure(table)
         now = self.clock()
         endpoints = (ep for route in table.routes.values() for ep in route.endpoints)
         for replica in self._restarts.restarted(endpoints):
@@ -293,7 +304,7 @@ class Gateway(Generic[K]):
     async def _generate(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
         t0 = self.clock()
         key = self.authenticate(header(scope, b"authorization"))
-        body = await self._read_json(scope, receive)
+        body, body_bytes = await self._read_json(scope, receive)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad_request("`model` is required: a name from GET /v1/models", param="model")
@@ -320,59 +331,79 @@ class Gateway(Generic[K]):
         reserve = reserve_tokens(
             body, chat, self.settings, context_limit=limit, prompt_tokens=prompt_estimate
         )
-        admission = self.admit(key, model, prompt_estimate + reserve)
+        admission = _Charged(self.admit(key, model, prompt_estimate + reserve), self.flow, model,
+                             key.key_id)  # fmt: skip
         upstream = self.upstream
+        flow = self.flow
+        granted = False
+        # The body is read whole: from here the watch cancels this task when the client
+        # leaves, whether it waits in the queue (it leaves the queue at once) or is served.
+        watch = DisconnectWatch(receive)
         try:
+            await flow.enter(route, key.key_id, _priority(key), body_bytes)
+            granted = True
+            # Routed by the rules as they stand when it leaves the queue.
+            route = self._table().get(model) or route
+            if not route.endpoints:
+                self.metrics.inc(self.metrics.requests, model, "", "503")
+                raise GatewayError.no_ready_replica(model)
             upstream.budget.deposit()
-            candidates = upstream.candidates(route, exclude=())
+            candidates = flow.with_room(upstream.candidates(route, exclude=()))
             chosen = await self._route(
                 route, candidates, body, prompt, salt, scope, chat, estimate=prompt_estimate
             )
             prompt_tokens = chosen.prompt_tokens
+            flow.charge(model, key.key_id, prompt_tokens)
             payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             self.metrics.in_flight.inc()
-            # A client that leaves while the engine works (a non-streamed answer's headers
-            # come only when it is complete) cancels the request: the engine sees the
-            # connection close and aborts, instead of generating for nobody.
-            watch = DisconnectWatch(receive)
             try:
-                try:
-                    attempt = await upstream.send(
-                        route,
-                        chosen.replica,
-                        payload,
-                        scope["path"],
-                        prefill=chosen.prefill,
-                        prompt_tokens=prompt_tokens,
-                        claim=chosen.claim,
-                    )
-                except BaseException:
-                    self.metrics.in_flight.dec()
-                    raise
-                replica = attempt.ep.replica
-                try:
-                    if stream and attempt.resp.status == 200:
-                        await self.relay.stream(
-                            attempt, send, watch, admission, route, client_usage, prompt_tokens, t0
-                        )
-                    else:
-                        await self.relay.whole(attempt, send, admission, route, t0)
-                finally:
-                    upstream.ended(replica, attempt.prefill, attempt.claim)
-                    self.metrics.in_flight.dec()
-                    attempt.resp.release()
-            except asyncio.CancelledError:
-                if watch.caused_cancel():
-                    raise ClientGone from None
+                # send counts the request in flight before its first await: the grant's
+                # claim on the model's room passes to the replica's count in one step.
+                granted = False
+                flow.release(model)
+                attempt = await upstream.send(
+                    route,
+                    chosen.replica,
+                    payload,
+                    scope["path"],
+                    prefill=chosen.prefill,
+                    prompt_tokens=prompt_tokens,
+                    claim=chosen.claim,
+                )
+            except Busy:
+                self.metrics.in_flight.dec()
+                raise flow.shed_busy(model) from None
+            except BaseException:
+                self.metrics.in_flight.dec()
                 raise
+            replica = attempt.ep.replica
+            try:
+                if stream and attempt.resp.status == 200:
+                    await self.relay.stream(
+                        attempt, send, watch, admission, route, client_usage, prompt_tokens, t0
+                    )
+                else:
+                    await self.relay.whole(attempt, send, admission, route, t0)
             finally:
-                # Before any other await: once the answer is complete, the server reports a
-                # "disconnect" to whoever still listens, which must not cancel us.
-                watch.close()
+                upstream.ended(replica, attempt.prefill, attempt.claim)
+                self.metrics.in_flight.dec()
+                attempt.resp.release()
+        except asyncio.CancelledError:
+            if watch.caused_cancel():
+                raise ClientGone from None
+            raise
         finally:
+            # Before any other await: once the answer is complete, the server reports a
+            # "disconnect" to whoever still listens, which must not cancel us.
+            watch.close()
+            if granted:
+                flow.release(model)
             admission.release()
+            # A replica's slot freed (or a grant came back): the next queued request goes.
+            flow.dispatch()
 
-    async def _read_json(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+    async def _read_json(self, scope: Scope, receive: Receive) -> tuple[dict[str, Any], int]:
+        """The body as a JSON object, and its size in bytes."""
         cap = self.settings.max_body_bytes
         try:
             declared = declared_length(header(scope, b"content-length"))
@@ -390,7 +421,7 @@ class Gateway(Generic[K]):
             raise bad_request(str(exc), code="invalid_json") from None
         if not isinstance(data, dict):
             raise bad_request("the body must be a JSON object", code="invalid_json")
-        return data
+        return data, len(raw)
 
     # --- routing -------------------------------------------------------------------------
 
@@ -499,3 +530,33 @@ class Gateway(Generic[K]):
             return None
         self.metrics.observe(self.metrics.tokenize_seconds, time.perf_counter() - t, route.name)
         return got
+
+
+def _priority(key: KeyInfo) -> int:
+    """The key's queue priority (``keys.KeyContext.priority``; 0 for a key without one)."""
+    value = getattr(key, "priority", 0)
+    return value if isinstance(value, int) else 0
+
+
+class _Charged:
+    """The key's admission, also charging the completion tokens it settles to the queue's
+    fairness counter (its prompt was charged when it was routed)."""
+
+    __slots__ = ("_admission", "_flow", "_key_id", "_model")
+
+    def __init__(self, admission: Settleable, flow: FlowControl, model: str, key_id: str):
+        self._admission = admission
+        self._flow = flow
+        self._model = model
+        self._key_id = key_id
+
+    def settle(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self._flow.charge(self._model, self._key_id, completion_tokens)
+        self._admission.settle(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+        )
+
+    def release(self) -> None:
+        self._admission.release()

@@ -17,6 +17,8 @@ message. The table below is the contract (status, ``type``, ``code``):
     429     insufficient_quota      insufficient_quota    the key's token quota for the period
     502     api_error               upstream_error        the replica failed after the retry rule
     503     api_error               no_ready_replica      nothing ready serves the model now
+    503     api_error               model_overloaded      the model's queue is full or the wait too
+                                                          long (Retry-After: the queue's drain time)
 
 What this module must NOT do: echo a secret. Messages are built by the raiser from
 names and numbers, never from header values or request bodies; a name the client sent (a
@@ -147,6 +149,18 @@ class GatewayError(Exception):
             type_="api_error",
             code="no_ready_replica",
             retry_after_s=1,
+        )
+
+    @classmethod
+    def overloaded(cls, model: str, why: str, retry_after_s: float) -> GatewayError:
+        """503: the gateway sheds the request; ``why`` names the bound (a setting) hit."""
+        return cls(
+            503,
+            f"{model!r} is overloaded: {why}; retry after the time in Retry-After (an admin "
+            "can add replicas or raise the setting)",
+            type_="api_error",
+            code="model_overloaded",
+            retry_after_s=retry_after_s,
         )
 
 

@@ -70,6 +70,8 @@ class KeyContext:
     token_quota: int | None
     quota_period: str | None
     concurrency: int | None
+    # The key's weight in the gateway queue (fair_queue): priority + 1.
+    priority: int = 0
 
     def allows(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
@@ -99,6 +101,7 @@ def _entry(row: ApiKey) -> _Entry:
             token_quota=row.token_quota,
             quota_period=row.quota_period,
             concurrency=row.concurrency_limit,
+            priority=row.priority,
         ),
         secret_sha256=bytes(row.secret_sha256),
         expires_at=None if expires is None else expires.timestamp(),

@@ -2,11 +2,12 @@
 
 Load of a replica, in requests = this gateway's in-flight requests to it + the others its
 engine reports (``vllm:num_requests_running`` + ``vllm:num_requests_waiting``, scraped from the
-engine's /metrics through the agent proxy every ``scrape_s``, less this gateway's own in-flight
-at that scrape; the simulator exports the same names). The in-flight count is exact and
-immediate; the scrape adds what other gateways sent. Between two scrapes a burst from this
-gateway is seen through its in-flight count, so a burst is not piled on one replica waiting
-for the next scrape.
+engine's /metrics through the shard's front door every ``scrape_s``, less this gateway's own
+in-flight at that scrape; the simulator exports the same names, and llama-server says
+``llamacpp:requests_processing`` + ``llamacpp:requests_deferred``). The in-flight count is
+exact and immediate; the scrape adds what other gateways sent. Between two scrapes a burst
+from this gateway is seen through its in-flight count, so a burst is not piled on one replica
+waiting for the next scrape.
 
 Work of a replica, in prompt tokens = the prefill still queued there: each of this gateway's
 requests counts the part of its prompt the engine must compute (its length less the share
@@ -43,7 +44,15 @@ log = get_logger("llmgw.controlplane.gateway")
 # An engine's /metrics (vLLM's, with every histogram, is ~100-300 KB) or /v1/models; more is
 # not one, and is not read.
 _SCRAPE_MAX_BYTES = 4 * 2**20
-_LOAD_METRICS = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+# Running + waiting, in each engine's own names (llama-server's seen on the build
+# docs/engines.md names).
+_LOAD_METRICS = (
+    b"vllm:num_requests_running",
+    b"vllm:num_requests_waiting",
+    b"llamacpp:requests_processing",
+    b"llamacpp:requests_deferred",
+)
+_LOAD_PREFIXES = (b"vllm:num_requests_", b"llamacpp:requests_")
 # Weight of each new request in the running mean of prefill per request (~the last 20).
 _MEAN_WEIGHT = 0.05
 
@@ -52,7 +61,7 @@ def parse_engine_load(body: bytes) -> int:
     """running + waiting from a Prometheus text exposition (summed over label sets)."""
     total = 0.0
     for line in body.splitlines():
-        if not line.startswith(b"vllm:num_requests_"):
+        if not line.startswith(_LOAD_PREFIXES):
             continue
         for name in _LOAD_METRICS:
             if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
@@ -105,6 +114,9 @@ class LoadTracker:
         # replica -> its context length (max_model_len), asked once per replica.
         self.context: dict[str, int] = {}
         self._health: dict[str, _Health] = {}
+        # replica -> clock() of its last scrape answered: it is alive (busy is not broken).
+        self._scraped_at: dict[str, float] = {}
+        self._period_s = 0.5
         self._task: asyncio.Task[None] | None = None
 
     def others(self, replica: str) -> int:
@@ -175,8 +187,14 @@ class LoadTracker:
 
     # --- scraping ----------------------------------------------------------------------
 
+    def alive(self, replica: str) -> bool:
+        """Whether the replica's engine answered a scrape within the last few periods."""
+        at = self._scraped_at.get(replica)
+        return at is not None and self._clock() - at <= max(5.0, 4 * self._period_s)
+
     def observed(self, replica: str, engine_load: int) -> None:
         """The engine reported ``engine_load`` requests running + waiting, ours among them."""
+        self._scraped_at[replica] = self._clock()
         self.engine[replica] = engine_load
         self._own_at_scrape[replica] = self.in_flight.get(replica, 0)
 
@@ -213,6 +231,7 @@ class LoadTracker:
         for gone in [r for r in self.engine if r not in live]:
             del self.engine[gone]
             self._own_at_scrape.pop(gone, None)
+            self._scraped_at.pop(gone, None)
         for gone in [r for r in self.context if r not in live]:
             del self.context[gone]
 
@@ -222,6 +241,8 @@ class LoadTracker:
         endpoints: Callable[[], Iterable[Endpoint]],
         period_s: float,
     ) -> None:
+        self._period_s = period_s
+
         async def run() -> None:
             while True:
                 try:

@@ -34,6 +34,12 @@ class GatewayMetrics:
     retries: Counter
     ejections: Counter
     in_flight: Gauge
+    queue_requests: Gauge
+    queue_wait_seconds: Histogram
+    admitted_in_flight: Gauge
+    admission_limit: Gauge
+    shed: Counter
+    busy: Counter
     # (metric, label values) -> child: prometheus_client's labels() takes a lock and builds a
     # key on every call, a measurable share of the gateway's per-request CPU.
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
@@ -51,6 +57,20 @@ class GatewayMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         child.observe(value)
+
+    def add(self, metric: Gauge, delta: float, *labels: str) -> None:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        child.inc(delta)
+
+    def gauge(self, metric: Gauge, value: float, *labels: str) -> None:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        child.set(value)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
@@ -135,6 +155,46 @@ class GatewayMetrics:
             in_flight=Gauge(
                 "llmgw_gateway_in_flight",
                 "Requests being served by this gateway.",
+                registry=registry,
+            ),
+            queue_requests=Gauge(
+                "llmgw_gateway_queue_requests",
+                "Requests waiting in the gateway's queue, by model and API key id.",
+                ["model", "key"],
+                registry=registry,
+            ),
+            queue_wait_seconds=Histogram(
+                "llmgw_gateway_queue_wait_seconds",
+                "Time requests waited in the gateway's queue (granted, shed or gone).",
+                ["model", "key"],
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            admitted_in_flight=Gauge(
+                "llmgw_gateway_admitted_in_flight",
+                "This gateway's requests in flight at each replica.",
+                ["replica"],
+                registry=registry,
+            ),
+            admission_limit=Gauge(
+                "llmgw_gateway_admission_limit",
+                "Each replica's admission limit now (its ceiling, halved on busy refusals and "
+                "grown back by successes).",
+                ["replica"],
+                registry=registry,
+            ),
+            shed=Counter(
+                "llmgw_gateway_shed",
+                "Requests shed with 503 by reason (queue_requests, queue_bytes, queue_timeout, "
+                "replica_busy).",
+                ["model", "reason"],
+                registry=registry,
+            ),
+            busy=Counter(
+                "llmgw_gateway_replica_busy",
+                "Refused or reset connections to a replica that reported itself loaded: its "
+                "admission limit halved instead of a failure counted.",
+                ["replica"],
                 registry=registry,
             ),
         )

@@ -66,6 +66,8 @@ class Endpoint:
     adapters: Mapping[str, str]  # LoRA name -> path, as the engine was given them
     # The engine process behind it (boot id, pid, start time): a new one has an empty KV cache.
     incarnation: str = ""
+    # Admission ceiling: requests running plus waiting it takes from all gateways together.
+    max_in_flight: int = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ def build_table(
             hash=_hash_params(row.profile),
             adapters=loras,
             incarnation=row.incarnation,
+            max_in_flight=row.max_in_flight or 1 << 20,
         )
         eps = models.setdefault(name, [])
         if row.ready:

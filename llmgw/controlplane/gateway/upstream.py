@@ -13,6 +13,12 @@ in flight, and its prefill until the first token), and its ``Claim`` held in the
 tree meanwhile; an attempt that failed to connect leaves no claim (the replica most likely holds
 none of it).
 
+Busy is not broken: a refused or reset connection, or a 503, from a replica that reports
+itself alive (its /metrics scraped lately) and loaded (running + waiting at least half its
+admission limit) halves its admission limit (``admission``) instead of counting toward its
+ejection; the retry rule is the same. When no retry is left, a busy refusal is ``Busy`` (the
+app sheds it: 503 with Retry-After), never a 502. Only failures at low load eject.
+
 What it must NOT do: follow redirects or decompress (``pool``), retry a request that may have
 reached an engine, or let a count leak when a request is cancelled.
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from llmgw.config import GatewaySettings
+from llmgw.controlplane.gateway.admission import AdmissionWindows
 from llmgw.controlplane.gateway.approx import ApproxTree
 from llmgw.controlplane.gateway.errors import upstream_failed
 from llmgw.controlplane.gateway.load import LoadTracker, RetryBudget
@@ -34,8 +41,16 @@ from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.pool import create_client, read_capped
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute
 from llmgw.controlplane.gateway.routing_inputs import Claim
+from llmgw.logs import get_logger
 
-__all__ = ["Attempt", "Upstream"]
+__all__ = ["Attempt", "Busy", "Upstream"]
+
+log = get_logger("llmgw.controlplane.gateway")
+
+
+class Busy(Exception):
+    """The replica (and any retry's) refused or reset the request while busy: shed, not a
+    fault."""
 
 
 @dataclass(slots=True)
@@ -68,8 +83,10 @@ class Upstream:
         computing: ApproxTree,
         metrics: GatewayMetrics,
         clock: Callable[[], float],
+        windows: AdmissionWindows | None = None,
     ) -> None:
         self._settings = settings
+        self._windows = windows or AdmissionWindows()
         self._load = load
         self._computing = computing
         self._metrics = metrics
@@ -140,6 +157,8 @@ class Upstream:
                 # The request may have reached the engine: never retried (it may be running).
                 self.ended(ep.replica, prefill, claim, computed=False)
                 kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+                if kind == "disconnect" and self._busy(ep):
+                    raise Busy(ep.replica) from None
                 self.failed(route, ep, kind)
                 raise upstream_failed(route.name, type(exc).__name__) from None
             except BaseException:  # cancelled: the count must not leak
@@ -154,14 +173,19 @@ class Upstream:
                     raise
                 if resp.status != 503 and unreached is None:
                     load.succeeded(ep.replica)
+                    self._windows.succeeded(ep.replica)
                     return Attempt(ep, resp, prefill, claim)
                 resp.release()
                 self.ended(ep.replica, prefill, claim, computed=False)
                 why = unreached or "the replica answered 503"
                 kind = "connect" if unreached else "status"
-            self.failed(route, ep, kind)
+            busy = self._busy(ep)
+            if not busy:
+                self.failed(route, ep, kind)
             others = self.candidates(route, exclude=tried)
             if len(tried) > 1 or not others or not self.budget.withdraw():
+                if busy:
+                    raise Busy(ep.replica)
                 raise upstream_failed(route.name, why)
             self._metrics.inc(self._metrics.retries, route.name)
             ep = min(
@@ -169,6 +193,19 @@ class Upstream:
                 key=lambda e: (load.failures(e.replica), load.load(e.replica), e.replica),
             )
             prefill = float(prompt_tokens)
+
+    def _busy(self, ep: Endpoint) -> bool:
+        """Whether ``ep`` failing reads as busy (alive and loaded); if so, its admission
+        limit is halved here."""
+        replica = ep.replica
+        if not (
+            self._load.alive(replica) and self._windows.loaded(replica, self._load.load(replica))
+        ):
+            return False
+        limit = self._windows.busy(replica)
+        self._metrics.inc(self._metrics.busy, replica)
+        log.info("gateway_replica_busy", replica=replica, limit=limit)
+        return True
 
     def computed(self, replica: str, prefill: float, claim: Claim | None) -> None:
         """The first token came: the prefill queues no one, its blocks are on their way."""

@@ -17,6 +17,9 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from llmgw.engines import Profile, default_max_in_flight
+from llmgw.errors import LlmgwError
+
 __all__ = ["DeclaredRow", "RouteRow", "read_declared", "read_routes"]
 
 
@@ -30,6 +33,9 @@ class RouteRow:
     index_model: str
     profile: Mapping[str, Any]
     incarnation: str = ""
+    # The gateways' admission ceiling for the replica: the profile's live max_in_flight (an
+    # edit takes effect without a roll), else the engine's default for the launched profile.
+    max_in_flight: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +53,12 @@ _READ = text(
     "AND s.proxy_url <> '') AS ready, "
     "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS index_model, "
     "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile, "
-    "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation "
+    "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation, "
+    "coalesce(p.max_in_flight, 0) AS max_in_flight "
     "FROM shards s JOIN replicas r ON r.id = s.replica_id "
     "LEFT JOIN deployments d ON d.id = r.deployment_id "
     "LEFT JOIN models m ON m.id = d.model_id "
+    "LEFT JOIN profiles p ON p.id = d.profile_id "
     "WHERE NOT s.released AND s.rank = 0 AND r.state <> 'stopping'"
 )
 
@@ -90,6 +98,17 @@ async def read_routes(session: AsyncSession) -> list[RouteRow]:
             index_model=r.index_model or "",
             profile=r.profile if isinstance(r.profile, dict) else {},
             incarnation=r.incarnation or "",
+            max_in_flight=r.max_in_flight or _default_ceiling(r.profile),
         )
         for r in result
     ]
+
+
+def _default_ceiling(profile: object) -> int:
+    """The engine's default ceiling for a launched profile; a profile the engines package
+    cannot read (a launch spec of an older release) gets the unknown engine's."""
+    doc = profile if isinstance(profile, dict) else {}
+    try:
+        return default_max_in_flight(Profile.model_validate(doc))
+    except (ValueError, LlmgwError):
+        return default_max_in_flight(Profile(name="unknown", engine="unknown"))

@@ -48,6 +48,7 @@ __all__ = [
     "ControlPlaneInstance",
     "Deployment",
     "DeploymentStatus",
+    "GatewayDemand",
     "GpuAssignment",
     "GpuClass",
     "Leader",
@@ -227,6 +228,9 @@ class Profile(_Versioned, Base):
     kv_extra_key_format: Mapped[str] = mapped_column(Text, server_default="tagged")
     # How a multi-node vLLM replica is wired (llmgw.engines.MultinodeBackend).
     multinode_backend: Mapped[str] = mapped_column(Text, server_default="ray")
+    # The gateways' admission ceiling per replica; 0: the engine's default
+    # (llmgw.engines.admission). Read live by the route table, never in the fingerprint.
+    max_in_flight: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     fingerprint: Mapped[str] = mapped_column(Text)
 
     model: Mapped[Model] = relationship(back_populates="profiles")
@@ -595,6 +599,9 @@ class ApiKey(_Versioned, Base):
     expires_at: Mapped[datetime | None] = mapped_column()
     # Set by the gateways' usage flushes (never on the request path): right to within a minute.
     last_used_at: Mapped[datetime | None] = mapped_column()
+    # The gateway queue's weight for this key: served (priority + 1) times the tokens of a
+    # priority-0 key while both wait (controlplane/gateway/fair_queue.py).
+    priority: Mapped[int] = mapped_column(Integer, server_default=text("0"))
 
 
 class UsageBucket(Base):
@@ -657,6 +664,28 @@ class ControlPlaneInstance(Base):
     internal_url: Mapped[str] = mapped_column(Text)
     started_at: Mapped[datetime] = _created()
     last_seen_at: Mapped[datetime] = _created()
+
+
+class GatewayDemand(Base):
+    """What each control plane's gateway holds of each model: written every few seconds in
+    one statement by that gateway (``store.demand``), read by ``llmgw status`` (a model whose
+    fresh rows have ``saturated_since`` set is saturated) and by a later autoscaler. Rows of
+    an instance that stopped go stale and are ignored by ``updated_at``."""
+
+    __tablename__ = "gateway_demand"
+    __table_args__ = (
+        CheckConstraint("queued >= 0 AND in_flight >= 0 AND shed >= 0", name="counts_nonnegative"),
+    )
+
+    instance_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    queued: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    in_flight: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # Requests this instance shed for the model since it started.
+    shed: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # Since when requests wait for the model (None: none waits).
+    saturated_since: Mapped[datetime | None] = mapped_column()
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class Leader(Base):
