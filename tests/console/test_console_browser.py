@@ -211,6 +211,18 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             # --- nodes ---------------------------------------------------------------------
             page.get_by_role("link", name="Nodes").click()
             node = admin.get("/nodes").json()["items"][0]["name"]
+            # Keyboard: focus stays on a button inside the live region across refreshes.
+            page.evaluate(
+                "() => { window.__polls = 0; document.addEventListener("
+                "'htmx:beforeRequest', () => { window.__polls += 1; }); }"
+            )
+            page.get_by_role("button", name=f"Cordon node {node}").focus()
+            stamp = page.locator("#live .hint").inner_text()
+            page.wait_for_function("() => window.__polls >= 2")  # two refreshes came due
+            assert page.locator("#live .hint").inner_text() == stamp
+            assert page.evaluate("() => document.activeElement.textContent.trim()") == "Cordon"
+            page.evaluate("() => document.activeElement.blur()")
+            expect(page.locator("#live .hint")).not_to_have_text(stamp)  # and then refreshes
             _weigh(page, "nodes", len(page.content().encode()), weights)
             with page.expect_navigation():
                 page.get_by_role("button", name=f"Cordon node {node}").click()

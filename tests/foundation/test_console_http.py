@@ -80,7 +80,15 @@ def test_pages_carry_the_csp_and_no_inline_script_or_style(
     signed_in: tuple[httpx.Client, str],
 ) -> None:
     c, _ = signed_in
-    for path in ("/", "/overview", "/overview/live", "/keys", "/nodes", "/nodes/live"):
+    for path in (
+        "/",
+        "/overview",
+        "/overview/live",
+        "/keys",
+        "/keys/live",
+        "/nodes",
+        "/nodes/live",
+    ):
         r = c.get(path, follow_redirects=True)
         assert r.status_code == 200, (path, r.text)
         csp = r.headers["content-security-policy"]

@@ -357,12 +357,22 @@ def _routes(router: APIRouter, c: Console) -> None:
     async def keys_context() -> dict[str, Any]:
         keys = await c.calls.items("keys")
         usage = (await c.calls.get("/admin/v1/usage", limit=PAGE_LIMIT)).get("items") or []
-        return {"keys": keys, "usage": usage, "limit": PAGE_LIMIT}
+        return {
+            "keys": keys,
+            "usage": usage,
+            "limit": PAGE_LIMIT,
+            "now": _now().strftime("%H:%M:%S UTC"),
+        }
 
     @router.get("/keys")
     async def keys(request: Request) -> Response:
         s = c.page_session(request)
         return c.html("keys.html", session=s, page="keys", **await keys_context())
+
+    @router.get("/keys/live")
+    async def keys_live(request: Request) -> Response:
+        s = c.fragment_session(request)
+        return c.html("keys_live.html", session=s, **await keys_context())
 
     @router.post("/keys")
     async def create_key(request: Request) -> Response:

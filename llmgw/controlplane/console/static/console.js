@@ -60,3 +60,13 @@
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
   else start();
 })();
+
+// A live region is not refreshed while the keyboard focus is inside it: the swap would drop
+// the focus from the button a keyboard user had tabbed to (Revoke, Cordon, Drain).
+document.addEventListener("htmx:beforeRequest", function (evt) {
+  var target = evt.detail && evt.detail.elt;
+  var active = document.activeElement;
+  if (target && active && active !== document.body && target.contains(active)) {
+    evt.preventDefault();
+  }
+});
