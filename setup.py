@@ -23,6 +23,14 @@ setup(
     package_data={
         # The tiny model's tokenizer files (scripts/make-tiny-model.py).
         "llmgw": ["py.typed", "tinymodel/*.json"],
+        # The web console's templates and its static files (vendored htmx and uPlot with their
+        # licences): served from the package, no CDN.
+        "llmgw.controlplane.console": [
+            "templates/*.html",
+            "static/*.css",
+            "static/*.js",
+            "static/vendor/*",
+        ],
         "llmgw._alembic": ["script.py.mako"],
         "llmgw._config": ["*.yaml", "*.toml", "*.service", "examples/*.yaml"],
     },

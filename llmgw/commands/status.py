@@ -28,34 +28,12 @@ from llmgw.commands._admin_client import (
     resolve_connection,
 )
 from llmgw.commands._common import exit_on_error
+from llmgw.controlplane.console.fleet_view import prefix_hit_rates, rollout_text
 from llmgw.errors import LlmgwError
 
 __all__ = ["collect", "prefix_hit_rates", "render", "status"]
 
 _DECISIONS = "llmgw_prefix_decisions"
-
-
-def prefix_hit_rates(metrics_text: str) -> dict[str, dict[str, Any]]:
-    """Per model: routing decisions, prefix hits and their share, from Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, dict[str, Any]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != _DECISIONS:
-            continue
-        for sample in family.samples:
-            if not sample.name.endswith("_total"):
-                continue
-            model = sample.labels.get("model", "")
-            row = out.setdefault(model, {"decisions": 0, "hits": 0, "precise": 0})
-            row["decisions"] += int(sample.value)
-            if sample.labels.get("outcome") == "hit":
-                row["hits"] += int(sample.value)
-            if sample.labels.get("method") == "precise":
-                row["precise"] += int(sample.value)
-    for row in out.values():
-        row["hit_rate"] = round(row["hits"] / row["decisions"], 4) if row["decisions"] else None
-    return out
 
 
 def _metrics(conn: AdminConnection) -> dict[str, dict[str, Any]] | None:
@@ -111,7 +89,7 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
                 "ready": int(st.get("ready_replicas") or 0),
                 "updated": updated,
                 "existing": int(st.get("replicas") or 0),
-                "rollout": _rollout(d, st),
+                "rollout": rollout_text(d),
                 "stalled": bool(st.get("stalled")),
                 "reason": st.get("reason") or "",
             }
@@ -147,21 +125,6 @@ def _demand(client: AdminClient) -> list[dict[str, Any]] | None:
         return None
     items = reply.get("items") if isinstance(reply, dict) else None
     return items if isinstance(items, list) else None
-
-
-def _rollout(d: dict[str, Any], st: dict[str, Any]) -> str:
-    desired = int(d.get("replicas") or 0)
-    if d.get("state") == "suspended":
-        return "suspended"
-    if int(st.get("observed_generation") or 0) < int(d.get("generation") or 0):
-        return "pending (the reconciler has not seen the latest change)"
-    if st.get("stalled"):
-        return "stalled"
-    updated, ready = int(st.get("updated_replicas") or 0), int(st.get("ready_replicas") or 0)
-    existing = int(st.get("replicas") or 0)
-    if updated >= desired and ready >= desired and existing <= desired:
-        return "complete"
-    return f"progressing: {updated}/{desired} updated, {ready}/{desired} ready"
 
 
 def _age(ts: Any) -> str:

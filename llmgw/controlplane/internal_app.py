@@ -40,6 +40,7 @@ from llmgw.config import ControlPlaneSettings, ReconcileSettings
 from llmgw.controlplane.admin_api import admin_router
 from llmgw.controlplane.agentapi.endpoints import install_agent_api
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
+from llmgw.controlplane.console import install_console
 from llmgw.controlplane.http.admin_auth import AdminAuth
 from llmgw.controlplane.http.body_guard import BodyGuard
 from llmgw.controlplane.http.errors import code_for_status, error_body, error_response
@@ -298,6 +299,7 @@ def create_app(
             # Leadership is released on the way out, so a standby takes over at once (SIGTERM).
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
+            await console.calls.aclose()
             await engine.dispose()
 
     app = FastAPIOffline(
@@ -326,7 +328,8 @@ def create_app(
         max_body_bytes=settings.admin_max_body_bytes,
         setting="controlplane.admin_max_body_bytes",
         json_prefixes=("/admin/",),
-        skip_prefixes=("/agent/",),
+        # The console checks its session cookie first, then reads at most a small form itself.
+        skip_prefixes=("/agent/", "/ui/"),
     )
     app.add_middleware(AdminAuth, token=settings.admin_token, prefix="/admin")
     app.add_middleware(RequestLog, listener="internal", internal_error=_internal_error)
@@ -363,6 +366,8 @@ def create_app(
         return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(admin_router)
+    # The web console at /ui: pages over the admin API, behind its own sign-in.
+    console = install_console(app, admin_token=settings.admin_token)
     # Registration, sync and KV deltas; starts and stops with the app (heartbeats, instances).
     install_agent_api(
         app,

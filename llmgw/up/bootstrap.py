@@ -38,6 +38,7 @@ __all__ = [
     "Progress",
     "announcement",
     "apply_demo",
+    "console_url",
     "demo_file",
     "ensure_api_key",
     "ensure_bootstrap_token",
@@ -359,6 +360,11 @@ class Commands:
         return cls(python, llmgw, importlib.util.find_spec("openai") is not None)
 
 
+def console_url(admin_url: str) -> str:
+    """Where the web console answers: the internal listener's ``/ui``."""
+    return f"{admin_url}/ui/"
+
+
 def announcement(
     *,
     base_url: str,
@@ -384,6 +390,7 @@ def announcement(
         f"  Models:           {', '.join(models) if models else none_yet}\n"
         f"  Admin API:        {admin_url}/admin/v1   (OpenAPI: {admin_url}/docs)\n"
         f"  Admin token:      {admin_token}\n"
+        f"  Console:          {console_url(admin_url)}   (sign in with the admin token)\n"
         f"  Data dir:         {data_dir}   (up.json there holds all of this for scripts)\n"
         f"  Status:           {commands.llmgw} status{data_flag}\n"
         f"{metrics}"

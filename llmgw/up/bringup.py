@@ -172,6 +172,7 @@ class BringUp:
             "api_key": self._api_key,
             "admin_url": opts.admin_url,
             "admin_token": self._token,
+            "console_url": api.console_url(opts.admin_url),
             "database_url": database_url,
             "data_dir": str(opts.data_dir),
             "models": models,

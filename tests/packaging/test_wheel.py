@@ -17,6 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import httpx
 import pytest
 from support.procs import free_port, stop_process, wait_http_ok
 
@@ -114,6 +115,11 @@ def test_the_wheel_alone_migrates_and_serves(pg_server: object, empty_db_url: st
             )  # fmt: skip
         try:
             wait_http_ok(f"http://127.0.0.1:{port}/readyz", timeout_s=30, proc=proc, log=log)
+            # The console's templates and vendored scripts ship in the wheel too.
+            sign_in = httpx.get(f"http://127.0.0.1:{port}/ui/", timeout=10)
+            assert sign_in.status_code == 200 and "Admin token" in sign_in.text, sign_in.text
+            htmx = httpx.get(f"http://127.0.0.1:{port}/ui/static/vendor/htmx-2.0.4.min.js")
+            assert htmx.status_code == 200 and len(htmx.content) > 40_000
         finally:
             stop_process(proc)
     finally:

@@ -56,3 +56,9 @@ def test_this_process_is_described_by_its_own_paths() -> None:
     # The test suite runs from the dev install: llmgw beside the interpreter, openai in it.
     assert here.llmgw == str(Path(sys.executable).with_name("llmgw"))
     assert here.has_openai
+
+
+def test_the_console_url_is_printed() -> None:
+    text = _printed(Commands("/p", "/l", has_openai=True))
+    line = "  Console:          http://127.0.0.1:8081/ui/   (sign in with the admin token)"
+    assert line in text.splitlines()

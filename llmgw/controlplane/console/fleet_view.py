@@ -1,0 +1,165 @@
+"""What the console's pages (and `llmgw status`) show, computed from the admin API's JSON: the
+rollout in words, GPUs per class, what needs attention first, the prefix hit rate per model.
+
+Shared with `llmgw status` so the two screens never disagree about what "stalled" or "complete"
+means. What it must NOT do: I/O, read clocks (``now`` is passed) or format HTML.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+__all__ = [
+    "Attention",
+    "attention",
+    "gpus_per_class",
+    "last_log_line",
+    "prefix_hit_rates",
+    "rollout_text",
+]
+
+_DECISIONS = "llmgw_prefix_decisions"
+# A shard restarted this often is shown as crash-looping even before the reconciler says so.
+_CRASH_LOOP_RESTARTS = 3
+_FAILING_STATES = frozenset({"failed", "unhealthy", "exited"})
+
+
+def prefix_hit_rates(metrics_text: str) -> dict[str, dict[str, Any]]:
+    """Per model: routing decisions, prefix hits and their share, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != _DECISIONS:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            model = sample.labels.get("model", "")
+            row = out.setdefault(model, {"decisions": 0, "hits": 0, "precise": 0})
+            row["decisions"] += int(sample.value)
+            if sample.labels.get("outcome") == "hit":
+                row["hits"] += int(sample.value)
+            if sample.labels.get("method") == "precise":
+                row["precise"] += int(sample.value)
+    for row in out.values():
+        row["hit_rate"] = round(row["hits"] / row["decisions"], 4) if row["decisions"] else None
+    return out
+
+
+def rollout_text(d: dict[str, Any]) -> str:
+    """A deployment's rollout in words, from its admin API view (``status`` included)."""
+    st = d.get("status") or {}
+    desired = int(d.get("replicas") or 0)
+    if d.get("state") == "suspended":
+        return "suspended"
+    if int(st.get("observed_generation") or 0) < int(d.get("generation") or 0):
+        return "pending (the reconciler has not seen the latest change)"
+    if st.get("stalled"):
+        return "stalled"
+    updated, ready = int(st.get("updated_replicas") or 0), int(st.get("ready_replicas") or 0)
+    existing = int(st.get("replicas") or 0)
+    if updated >= desired and ready >= desired and existing <= desired:
+        return "complete"
+    return f"progressing: {updated}/{desired} updated, {ready}/{desired} ready"
+
+
+def gpus_per_class(node: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(GPU name, used, free) per distinct GPU name in a node's inventory, by name. The
+    inventory lists names as NVML reports them; which class each matches is the placement's
+    business, so the console shows the names the operator wrote the class patterns against."""
+    held = int(node.get("num_gpus") or 0) - int(node.get("free_gpus") or 0)
+    gpus = (node.get("inventory") or {}).get("gpus") or []
+    counts: dict[str, int] = {}
+    for g in gpus:
+        name = str(g.get("name") or "?")
+        counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return []
+    if len(counts) == 1:
+        ((name, total),) = counts.items()
+        return [(name, held, max(total - held, 0))]
+    # Mixed nodes: the API counts used GPUs per node, not per name; show the totals honestly.
+    return [(name, -1, total) for name, total in sorted(counts.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """One line of "what needs attention first"; ``rank`` orders them, lowest first."""
+
+    rank: int
+    what: str
+    subject: str
+    reason: str
+
+
+def attention(
+    nodes: list[dict[str, Any]],
+    deployments: list[dict[str, Any]],
+    replicas: list[dict[str, Any]],
+    *,
+    now: datetime,
+    stale_sync_s: float,
+) -> list[Attention]:
+    """Failing or crash-looping shards with their reason, stalled rollouts, nodes that stopped
+    syncing and nodes waiting for approval, most urgent first."""
+    out: list[Attention] = []
+    for rep in replicas:
+        for s in rep.get("shards") or []:
+            if s.get("released"):
+                continue
+            state = str(s.get("observed_state") or "")
+            restarts = int(s.get("restarts") or 0)
+            subject = f"{rep.get('deployment') or '(deleted)'} shard {str(s.get('id'))[:8]} on {s.get('node')}"
+            if state in _FAILING_STATES:
+                reason = str(s.get("reason") or "")
+                said = last_log_line(str(s.get("log_tail") or ""))
+                if said:
+                    reason = f"{reason}; the engine said: {said}"
+                out.append(Attention(0, f"shard {state}", subject, reason))
+            elif restarts >= _CRASH_LOOP_RESTARTS:
+                out.append(
+                    Attention(
+                        1, "crash-looping", subject, f"{restarts} restarts: {s.get('reason') or ''}"
+                    )
+                )
+    for d in deployments:
+        st = d.get("status") or {}
+        if st.get("stalled"):
+            out.append(Attention(2, "rollout stalled", str(d.get("name")), str(st.get("reason"))))
+    for n in nodes:
+        if n.get("approval_state") == "pending":
+            out.append(
+                Attention(4, "node pending approval", str(n.get("name")), "approve it on Nodes")
+            )
+            continue
+        last = _parse(n.get("last_sync_at"))
+        if last is None or (now - last).total_seconds() > stale_sync_s:
+            ago = "never" if last is None else f"{(now - last).total_seconds():.0f}s ago"
+            out.append(Attention(3, "node stopped syncing", str(n.get("name")), f"last sync {ago}"))
+    return sorted(out, key=lambda a: a.rank)
+
+
+# Box-drawing frames some CLIs draw around their errors (typer, rich): not the message.
+_FRAME = "│╭╮╰╯─┃━ \t"
+
+
+def last_log_line(log_tail: str) -> str:
+    """The engine's last non-empty log line, unframed, at most 200 characters: usually the
+    error that ended it."""
+    for line in reversed(log_tail.splitlines()):
+        text = line.strip(_FRAME)
+        if text:
+            return text[:200]
+    return ""
+
+
+def _parse(ts: Any) -> datetime | None:
+    if not isinstance(ts, str):
+        return None
+    try:
+        return datetime.fromisoformat(ts.replace("Z", "+00:00"))
+    except ValueError:
+        return None

@@ -1,0 +1,443 @@
+"""The console's routes under ``/ui``: sign-in and sign-out, the pages, their live fragments
+(htmx swaps them in place every few seconds) and the forms that act through the admin API.
+
+Every request is checked in this order, before its body is read: a page or fragment needs a
+live session cookie (else the sign-in page, or 401 for a fragment); a form post needs the
+cookie, a same-origin ``Origin`` (a cross-site post is refused even when the browser sent the
+cookie: ports do not make two sites) and then the session's CSRF token from the form. Every
+HTML answer carries a Content-Security-Policy without inline script or style, and no-store.
+
+What it must NOT do: accept the admin token anywhere but the sign-in form's body, put it or a
+session id in a URL or a log line, or query the database itself (``admin_calls`` does it).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+import structlog
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.staticfiles import StaticFiles
+
+from llmgw.controlplane.agentapi.kv_intake import TokenBucket
+from llmgw.controlplane.console import fleet_view
+from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError, AdminCalls
+from llmgw.controlplane.console.sessions import COOKIE, Session, SessionStore
+
+__all__ = ["install_console"]
+
+log = structlog.get_logger("llmgw.console")
+
+PREFIX = "/ui"
+SESSION_TTL_S = 12 * 3600.0
+SESSION_IDLE_S = 3600.0
+REFRESH_S = 3
+# A form is a few fields; anything larger is not one of ours.
+_MAX_FORM_BYTES = 16 * 1024
+# A node that has not synced for this long is listed under "needs attention" (agents sync
+# every ~2 s; the reconciler's own grace is longer).
+_STALE_SYNC_S = 30.0
+# Rows of one list a page renders (replicas, attention lines): with the page's other parts
+# this keeps its HTML under 100 KB however large the fleet; the rest is counted, not shown.
+_MAX_ROWS = 100
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    # Not no-referrer: under it a browser sends `Origin: null` with a form post, and the
+    # origin check below could not tell our own forms from a sandboxed attacker's.
+    "Referrer-Policy": "same-origin",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+_env = Environment(
+    loader=PackageLoader("llmgw.controlplane.console", "templates"),
+    autoescape=select_autoescape(("html",)),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+class _Refused(Exception):
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+class Console:
+    """The state the routes share: sessions, the sign-in limiter, the admin API in process."""
+
+    def __init__(self, app: FastAPI, admin_token: str) -> None:
+        self.sessions = SessionStore(ttl_s=SESSION_TTL_S, idle_s=SESSION_IDLE_S)
+        # Failed sign-ins only: guessing the token costs a second per try after a burst.
+        self.failures = TokenBucket(rate_per_s=1.0, burst=10)
+        self.admin_token = admin_token
+        self.calls = AdminCalls(app, admin_token)
+
+    # --- answers -----------------------------------------------------------------------
+
+    def html(
+        self,
+        template: str,
+        status: int = 200,
+        session: Session | None = None,
+        **context: Any,
+    ) -> HTMLResponse:
+        body = _env.get_template(template).render(
+            prefix=PREFIX,
+            refresh_s=REFRESH_S,
+            csrf=session.csrf if session else "",
+            signed_in=session is not None,
+            **context,
+        )
+        return HTMLResponse(body, status_code=status, headers=dict(_HEADERS))
+
+    def refuse(self, request: Request, status: int, message: str) -> Response:
+        log.warning("console_refused", status=status, path=request.url.path, why=message)
+        return self.html("error.html", status=status, message=message)
+
+    # --- checks (from headers only: before any body is read) ------------------------------
+
+    def session_of(self, request: Request) -> Session | None:
+        return self.sessions.get(request.cookies.get(COOKIE), time.monotonic())
+
+    def page_session(self, request: Request) -> Session:
+        s = self.session_of(request)
+        if s is None:
+            raise _Refused(RedirectResponse(f"{PREFIX}/", status_code=303, headers=_HEADERS))
+        return s
+
+    def fragment_session(self, request: Request) -> Session:
+        s = self.session_of(request)
+        if s is None:
+            # htmx follows HX-Redirect: an expired session lands on the sign-in page.
+            raise _Refused(
+                Response(status_code=401, headers={**_HEADERS, "HX-Redirect": f"{PREFIX}/"})
+            )
+        return s
+
+    def same_origin(self, request: Request) -> bool:
+        origin = request.headers.get("origin")
+        if request.headers.get("sec-fetch-site") == "cross-site":
+            return False
+        if origin is None:
+            # Browsers send Origin with every POST; a client without one is not a browser
+            # page another site controls (curl, a test), and still needs cookie and token.
+            return True
+        # Host and port only: behind a proxy that terminates TLS the browser's origin is
+        # https:// while this listener sees plain HTTP; the Host header is the same.
+        sent = urlsplit(origin).netloc
+        return bool(sent) and hmac.compare_digest(
+            sent.encode(), request.headers.get("host", "").encode()
+        )
+
+    async def form(self, request: Request, session: Session | None) -> dict[str, str]:
+        """The posted form, after the origin (and, with a session, the CSRF token) check."""
+        if not self.same_origin(request):
+            raise _Refused(self.refuse(request, 403, "cross-site form posts are refused"))
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit() or int(length) > _MAX_FORM_BYTES:
+            raise _Refused(self.refuse(request, 413, f"a form is at most {_MAX_FORM_BYTES} bytes"))
+        raw = await request.body()
+        fields = {
+            k: v[0]
+            for k, v in parse_qs(
+                raw[:_MAX_FORM_BYTES].decode("utf-8", "replace"), max_num_fields=50
+            ).items()
+        }
+        if session is not None and not SessionStore.csrf_ok(session, fields.get("csrf")):
+            raise _Refused(
+                self.refuse(
+                    request, 403, "the form's CSRF token is missing or stale: reload the page"
+                )
+            )
+        return fields
+
+    async def post_session(self, request: Request) -> tuple[Session, dict[str, str]]:
+        s = self.session_of(request)
+        if s is None:
+            raise _Refused(self.refuse(request, 403, "sign in first (no live session)"))
+        return s, await self.form(request, s)
+
+
+def install_console(app: FastAPI, *, admin_token: str) -> Console:
+    """Mount the console at ``/ui`` on ``app`` (the internal listener's)."""
+    console = Console(app, admin_token)
+    app.mount(
+        f"{PREFIX}/static",
+        StaticFiles(packages=[("llmgw.controlplane.console", "static")]),
+        name="console-static",
+    )
+    router = APIRouter(prefix=PREFIX, include_in_schema=False)
+    _routes(router, console)
+    app.include_router(router)
+
+    @app.exception_handler(_Refused)
+    async def _refused(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, _Refused)
+        return exc.response
+
+    return console
+
+
+def _over_tls(request: Request) -> bool:
+    """Whether the browser reached us over HTTPS: directly, or through a proxy that
+    terminates TLS and says so (trusting the header can only make the cookie stricter)."""
+    forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return request.url.scheme == "https" or forwarded == "https"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _routes(router: APIRouter, c: Console) -> None:
+    # --- sign-in / sign-out --------------------------------------------------------------
+
+    @router.get("/")
+    async def sign_in_page(request: Request) -> Response:
+        if c.session_of(request) is not None:
+            return RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=_HEADERS)
+        return c.html("sign_in.html")
+
+    @router.get("")
+    async def bare(_request: Request) -> Response:
+        return RedirectResponse(f"{PREFIX}/", status_code=307)
+
+    @router.post("/sign-in")
+    async def sign_in(request: Request) -> Response:
+        fields = await c.form(request, None)
+        given = fields.get("token", "").strip()
+        if not given or not hmac.compare_digest(given.encode(), c.admin_token.encode()):
+            wait_s = c.failures.admit(time.monotonic())
+            if wait_s is not None:
+                r = c.refuse(request, 429, "too many failed sign-ins; wait and try again")
+                r.headers["Retry-After"] = str(max(1, int(wait_s + 0.999)))
+                return r
+            log.warning("console_sign_in_failed")
+            return c.html(
+                "sign_in.html",
+                status=401,
+                error="That is not the admin token (`llmgw up` prints it; up.json holds it).",
+            )
+        s = c.sessions.create(time.monotonic())
+        log.info("console_signed_in", sessions=len(c.sessions))
+        r = RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=_HEADERS)
+        r.set_cookie(
+            COOKIE,
+            s.id,
+            max_age=int(SESSION_TTL_S),
+            path=PREFIX,
+            httponly=True,
+            samesite="strict",
+            secure=_over_tls(request),
+        )
+        return r
+
+    @router.post("/sign-out")
+    async def sign_out(request: Request) -> Response:
+        s, _ = await c.post_session(request)
+        c.sessions.end(s.id)
+        log.info("console_signed_out")
+        r = RedirectResponse(f"{PREFIX}/", status_code=303, headers=_HEADERS)
+        r.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
+        return r
+
+    # --- overview ------------------------------------------------------------------------
+
+    async def overview_context() -> dict[str, Any]:
+        nodes = await c.calls.items("nodes")
+        deployments = await c.calls.items("deployments")
+        replicas = await c.calls.items("replicas")
+        now = _now()
+        attention = fleet_view.attention(
+            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S
+        )
+        return {
+            "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
+            "deployments": [{**d, "rollout": fleet_view.rollout_text(d)} for d in deployments],
+            "attention": attention[:_MAX_ROWS],
+            "more_attention": max(len(attention) - _MAX_ROWS, 0),
+            "now": now.strftime("%H:%M:%S UTC"),
+            "limit": PAGE_LIMIT,
+        }
+
+    @router.get("/overview")
+    async def overview(request: Request) -> Response:
+        s = c.page_session(request)
+        return c.html("overview.html", session=s, page="overview", **await overview_context())
+
+    @router.get("/overview/live")
+    async def overview_live(request: Request) -> Response:
+        s = c.fragment_session(request)
+        return c.html("overview_live.html", session=s, **await overview_context())
+
+    @router.get("/hit-rates.json")
+    async def hit_rates(request: Request) -> Response:
+        c.fragment_session(request)
+        rates = fleet_view.prefix_hit_rates(await c.calls.metrics_text())
+        return JSONResponse(
+            {"at": time.time(), "models": rates}, headers={"Cache-Control": "no-store"}
+        )
+
+    # --- a deployment --------------------------------------------------------------------
+    # Names may hold "/" ({name:path}); the routes with a suffix come first, or the bare
+    # one would take "x/live" for a deployment named so.
+
+    async def deployment_context(name: str) -> dict[str, Any]:
+        d = await c.calls.get(f"/admin/v1/deployments/{quote(name, safe='')}")
+        replicas = await c.calls.items("replicas", deployment=name)
+        actions = (await c.calls.get("/admin/v1/actions", deployment=name, limit=20)).get(
+            "items"
+        ) or []
+        mine = [r for r in replicas if r.get("deployment") == name]
+        return {
+            "d": {**d, "rollout": fleet_view.rollout_text(d)},
+            "replicas": mine[:_MAX_ROWS],
+            "more_replicas": max(len(mine) - _MAX_ROWS, 0),
+            "actions": actions,
+            "now": _now().strftime("%H:%M:%S UTC"),
+        }
+
+    @router.get("/deployments/{name:path}/live")
+    async def deployment_live(request: Request, name: str) -> Response:
+        s = c.fragment_session(request)
+        try:
+            ctx = await deployment_context(name)
+        except AdminCallError as exc:
+            return c.html("error_fragment.html", status=exc.status, message=exc.message)
+        return c.html("deployment_live.html", session=s, **ctx)
+
+    @router.get("/deployments/{name:path}")
+    async def deployment(request: Request, name: str) -> Response:
+        s = c.page_session(request)
+        try:
+            ctx = await deployment_context(name)
+        except AdminCallError as exc:
+            return c.html("error.html", status=exc.status, session=s, message=exc.message)
+        return c.html("deployment.html", session=s, page="overview", **ctx)
+
+    @router.post("/deployments/{name:path}/scale")
+    async def scale(request: Request, name: str) -> Response:
+        s, fields = await c.post_session(request)
+        wanted = fields.get("replicas", "")
+        if not wanted.isdigit() or int(wanted) > 10_000:
+            return c.html(
+                "error.html", status=422, session=s,
+                message="replicas: a whole number from 0 to 10000",
+            )  # fmt: skip
+        path = f"/admin/v1/deployments/{quote(name, safe='')}"
+        if fields.get("confirmed") != "yes":
+            # Scaling stops or starts engines: the operator confirms on a page of its own.
+            try:
+                d = await c.calls.get(path)
+            except AdminCallError as exc:
+                return c.html("error.html", status=exc.status, session=s, message=exc.message)
+            return c.html("confirm_scale.html", session=s, d=d, wanted=int(wanted))
+        try:
+            await c.calls.post(f"{path}/scale", {"replicas": int(wanted)})
+        except AdminCallError as exc:
+            return c.html("error.html", status=exc.status, session=s, message=exc.message)
+        log.info("console_scaled", deployment=name, replicas=int(wanted))
+        return RedirectResponse(
+            f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=_HEADERS
+        )
+
+    # --- keys and usage ------------------------------------------------------------------
+
+    async def keys_context() -> dict[str, Any]:
+        keys = await c.calls.items("keys")
+        usage = (await c.calls.get("/admin/v1/usage", limit=PAGE_LIMIT)).get("items") or []
+        return {
+            "keys": keys,
+            "usage": usage,
+            "limit": PAGE_LIMIT,
+            "now": _now().strftime("%H:%M:%S UTC"),
+        }
+
+    @router.get("/keys")
+    async def keys(request: Request) -> Response:
+        s = c.page_session(request)
+        return c.html("keys.html", session=s, page="keys", **await keys_context())
+
+    @router.get("/keys/live")
+    async def keys_live(request: Request) -> Response:
+        s = c.fragment_session(request)
+        return c.html("keys_live.html", session=s, **await keys_context())
+
+    @router.post("/keys")
+    async def create_key(request: Request) -> Response:
+        s, fields = await c.post_session(request)
+        body: dict[str, Any] = {"name": fields.get("name", "").strip()}
+        models = [m.strip() for m in fields.get("models", "").split(",") if m.strip()]
+        if models:
+            body["models"] = models
+        try:
+            created = await c.calls.post("/admin/v1/keys", body)
+        except AdminCallError as exc:
+            return c.html(
+                "keys.html", status=exc.status, session=s, page="keys", error=exc.message,
+                **await keys_context(),
+            )  # fmt: skip
+        log.info("console_key_created", key_id=created.get("id"))
+        # Answered here, not redirected: the secret is in this one response and nowhere else.
+        return c.html(
+            "keys.html", status=201, session=s, page="keys", created=created,
+            **await keys_context(),
+        )  # fmt: skip
+
+    @router.post("/keys/{name}/revoke")
+    async def revoke_key(request: Request, name: str) -> Response:
+        s, _ = await c.post_session(request)
+        try:
+            await c.calls.post(f"/admin/v1/keys/{quote(name, safe='')}/revoke")
+        except AdminCallError as exc:
+            return c.html("error.html", status=exc.status, session=s, message=exc.message)
+        return RedirectResponse(f"{PREFIX}/keys", status_code=303, headers=_HEADERS)
+
+    # --- nodes ---------------------------------------------------------------------------
+
+    async def nodes_context() -> dict[str, Any]:
+        nodes = await c.calls.items("nodes")
+        return {
+            "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
+            "now": _now().strftime("%H:%M:%S UTC"),
+            "limit": PAGE_LIMIT,
+        }
+
+    @router.get("/nodes")
+    async def nodes(request: Request) -> Response:
+        s = c.page_session(request)
+        return c.html("nodes.html", session=s, page="nodes", **await nodes_context())
+
+    @router.get("/nodes/live")
+    async def nodes_live(request: Request) -> Response:
+        s = c.fragment_session(request)
+        return c.html("nodes_live.html", session=s, **await nodes_context())
+
+    @router.post("/nodes/{name:path}/{verb}")
+    async def node_action(request: Request, name: str, verb: str) -> Response:
+        s, fields = await c.post_session(request)
+        if verb not in ("approve", "cordon", "uncordon", "drain"):
+            return c.html(
+                "error.html", status=404, session=s,
+                message="a node's actions are approve, cordon, uncordon and drain",
+            )  # fmt: skip
+        if verb == "drain" and fields.get("confirmed") != "yes":
+            # Draining moves every shard off the node: confirmed on a page of its own.
+            return c.html("confirm_drain.html", session=s, node=name)
+        try:
+            await c.calls.post(f"/admin/v1/nodes/{quote(name, safe='')}/{verb}")
+        except AdminCallError as exc:
+            return c.html("error.html", status=exc.status, session=s, message=exc.message)
+        log.info("console_node_action", node=name, action=verb)
+        return RedirectResponse(f"{PREFIX}/nodes", status_code=303, headers=_HEADERS)
