@@ -259,6 +259,18 @@ class ControlPlane:
             raise RuntimeError(f"{method} {path}: {r.status_code} {r.text[:500]}")
         return r.json() if r.content else None
 
+    def sim_deployment(self, name: str, *, replicas: int, **profile: Any) -> None:
+        """A model, a one-GPU `sim` profile (``profile`` adds fields) and a deployment of it,
+        all named ``name``."""
+        self.admin("POST", "/models", {"name": name})
+        sim = {"engine": "sim", "gpu_class": "sim", "model_path": name}
+        self.admin("POST", "/profiles", {"name": name, "model": name, **sim, **profile})
+        self.admin(
+            "POST",
+            "/deployments",
+            {"name": name, "model": name, "profile": name, "replicas": replicas},
+        )
+
     def create_key(self) -> str:
         """A new API key with no limits (POST /admin/v1/keys; the key is in this reply only)."""
         out = self.admin("POST", "/keys", {"name": f"bench-{secrets.token_hex(4)}"})

@@ -329,15 +329,7 @@ def _setup_gateway(stack: Stack, canned_port: int) -> tuple[ControlPlane, StubAg
         LLMGW_GATEWAY__ROUTING_POLICY="least_loaded",
         LLMGW_LOG__LEVEL="info",
     )
-    cp.admin("POST", "/models", {"name": MODEL})
-    cp.admin(
-        "POST",
-        "/profiles",
-        {"name": MODEL, "model": MODEL, "engine": "sim", "gpu_class": "sim", "model_path": MODEL},
-    )
-    cp.admin(
-        "POST", "/deployments", {"name": MODEL, "model": MODEL, "profile": MODEL, "replicas": 1}
-    )
+    cp.sim_deployment(MODEL, replicas=1)
     token = cp.admin("POST", "/bootstrap-tokens", {"pool": "default", "uses": 1})["token"]
     agent = StubAgent(cp.url, token, f"http://127.0.0.1:{canned_port}")
     agent.register()

@@ -134,17 +134,7 @@ def _setup(
         stack.controlplane(f"controlplane-{i}", short_periods=False, **env) for i in range(gateways)
     ]
     cp = cps[0]
-    cp.admin("POST", "/models", {"name": MODEL})
-    cp.admin(
-        "POST",
-        "/profiles",
-        {"name": MODEL, "model": MODEL, "engine": "sim", "gpu_class": "sim", "model_path": MODEL},
-    )
-    cp.admin(
-        "POST",
-        "/deployments",
-        {"name": MODEL, "model": MODEL, "profile": MODEL, "replicas": len(sims)},
-    )
+    cp.sim_deployment(MODEL, replicas=len(sims))
     token = cp.admin("POST", "/bootstrap-tokens", {"pool": "default", "uses": 1})["token"]
     agent = SimAgent(cp.url, token, sims)
     agent.register()

@@ -458,25 +458,12 @@ def _start_fleet(stack: Stack, args: argparse.Namespace, policy: str) -> list[Co
     env = _gateway_env(args, policy)
     cps = [stack.controlplane(f"cp{i + 1}", **env) for i in range(args.gateways)]
     cp = cps[0]
-    cp.admin("POST", "/models", {"name": MODEL})
-    cp.admin(
-        "POST",
-        "/profiles",
-        {
-            "name": MODEL,
-            "model": MODEL,
-            "engine": "sim",
-            "gpu_class": "sim",
-            "model_path": MODEL,
-            "kv_events": True,
-            "kv_block_size": args.block_size,
-            "args": _sim_args(args),
-        },
-    )
-    cp.admin(
-        "POST",
-        "/deployments",
-        {"name": MODEL, "model": MODEL, "profile": MODEL, "replicas": args.replicas},
+    cp.sim_deployment(
+        MODEL,
+        replicas=args.replicas,
+        kv_events=True,
+        kv_block_size=args.block_size,
+        args=_sim_args(args),
     )
     token = cp.admin("POST", "/bootstrap-tokens", {"pool": "default", "uses": 1})["token"]
     base = random.randrange(20000, 60000, 64)

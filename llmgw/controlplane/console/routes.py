@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -200,6 +201,27 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _page_and_live(
+    router: APIRouter,
+    c: Console,
+    page: str,
+    context: Callable[[], Awaitable[dict[str, Any]]],
+) -> None:
+    """``/<page>`` (the whole page) and ``/<page>/live`` (the region it refreshes in place),
+    rendered from one context: the two never disagree on what a page shows."""
+
+    async def whole(request: Request) -> Response:
+        s = c.page_session(request)
+        return c.html(f"{page}.html", session=s, page=page, **await context())
+
+    async def live(request: Request) -> Response:
+        s = c.fragment_session(request)
+        return c.html(f"{page}_live.html", session=s, **await context())
+
+    router.add_api_route(f"/{page}", whole, methods=["GET"], name=page)
+    router.add_api_route(f"/{page}/live", live, methods=["GET"], name=f"{page}_live")
+
+
 def _routes(router: APIRouter, c: Console) -> None:
     # --- sign-in / sign-out --------------------------------------------------------------
 
@@ -271,15 +293,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             "limit": PAGE_LIMIT,
         }
 
-    @router.get("/overview")
-    async def overview(request: Request) -> Response:
-        s = c.page_session(request)
-        return c.html("overview.html", session=s, page="overview", **await overview_context())
-
-    @router.get("/overview/live")
-    async def overview_live(request: Request) -> Response:
-        s = c.fragment_session(request)
-        return c.html("overview_live.html", session=s, **await overview_context())
+    _page_and_live(router, c, "overview", overview_context)
 
     @router.get("/hit-rates.json")
     async def hit_rates(request: Request) -> Response:
@@ -364,15 +378,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             "now": _now().strftime("%H:%M:%S UTC"),
         }
 
-    @router.get("/keys")
-    async def keys(request: Request) -> Response:
-        s = c.page_session(request)
-        return c.html("keys.html", session=s, page="keys", **await keys_context())
-
-    @router.get("/keys/live")
-    async def keys_live(request: Request) -> Response:
-        s = c.fragment_session(request)
-        return c.html("keys_live.html", session=s, **await keys_context())
+    _page_and_live(router, c, "keys", keys_context)
 
     @router.post("/keys")
     async def create_key(request: Request) -> Response:
@@ -414,15 +420,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             "limit": PAGE_LIMIT,
         }
 
-    @router.get("/nodes")
-    async def nodes(request: Request) -> Response:
-        s = c.page_session(request)
-        return c.html("nodes.html", session=s, page="nodes", **await nodes_context())
-
-    @router.get("/nodes/live")
-    async def nodes_live(request: Request) -> Response:
-        s = c.fragment_session(request)
-        return c.html("nodes_live.html", session=s, **await nodes_context())
+    _page_and_live(router, c, "nodes", nodes_context)
 
     @router.post("/nodes/{name:path}/{verb}")
     async def node_action(request: Request, name: str, verb: str) -> Response:
