@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from llmgw.controlplane.console.fleet_view import attention, gpus_per_class, last_log_line
+from llmgw.controlplane.console.fleet_view import (
+    attention,
+    gpus_per_class,
+    last_log_line,
+    suspended,
+)
 from llmgw.controlplane.console.sessions import SessionStore
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -87,3 +92,11 @@ def test_last_log_line_and_gpus_per_name() -> None:
     }  # fmt: skip
     assert gpus_per_class(node) == [("sim", 2, 1)]
     assert gpus_per_class({"num_gpus": 0, "free_gpus": 0, "inventory": {}}) == []
+
+
+def test_suspended_replicas_are_unknown_until_the_api_reports_them() -> None:
+    assert suspended({"status": {"ready_replicas": 2}}) is None
+    assert suspended({"status": None}) is None and suspended({}) is None
+    assert suspended({"status": {"suspended_replicas": 0}}) == 0
+    assert suspended({"status": {"suspended_replicas": 3}}) == 3
+    assert suspended({"status": {"suspended_replicas": True}}) is None

@@ -18,6 +18,7 @@ __all__ = [
     "last_log_line",
     "prefix_hit_rates",
     "rollout_text",
+    "suspended",
 ]
 
 _DECISIONS = "llmgw_prefix_decisions"
@@ -64,6 +65,13 @@ def rollout_text(d: dict[str, Any]) -> str:
     if updated >= desired and ready >= desired and existing <= desired:
         return "complete"
     return f"progressing: {updated}/{desired} updated, {ready}/{desired} ready"
+
+
+def suspended(d: dict[str, Any]) -> int | None:
+    """How many of a deployment's replicas are suspended, when its status says (None: the
+    admin API does not report it, which is not the same as none)."""
+    value = (d.get("status") or {}).get("suspended_replicas")
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def gpus_per_class(node: dict[str, Any]) -> list[tuple[str, int, int]]:

@@ -302,7 +302,10 @@ def _routes(router: APIRouter, c: Console) -> None:
         )
         return {
             "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
-            "deployments": [{**d, "rollout": fleet_view.rollout_text(d)} for d in deployments],
+            "deployments": [
+                {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)}
+                for d in deployments
+            ],
             "attention": attention[:_MAX_ROWS],
             "more_attention": max(len(attention) - _MAX_ROWS, 0),
             "now": now.strftime("%H:%M:%S UTC"),
@@ -364,7 +367,7 @@ def _routes(router: APIRouter, c: Console) -> None:
         ) or []
         mine = [r for r in replicas if r.get("deployment") == name]
         return {
-            "d": {**d, "rollout": fleet_view.rollout_text(d)},
+            "d": {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)},
             "replicas": mine[:_MAX_ROWS],
             "more_replicas": max(len(mine) - _MAX_ROWS, 0),
             "actions": actions,

@@ -21,10 +21,15 @@
 
   function options(c, width) {
     var bars = c.kind === "bars" && uPlot.paths && uPlot.paths.bars;
-    var y = c.unit === "ratio" ? { range: [0, 1] } : { range: function (u, lo, hi) { return [0, Math.max(hi || 0, 1e-9) * 1.1]; } };
+    // A floor on the y range: an idle hour draws a flat line at 0, not an axis of 1e-9.
+    var floor = { rate: 0.1, seconds: 0.01, count: 1 }[c.unit] || 1;
+    var y = c.unit === "ratio" ? { range: [0, 1] } : { range: function (u, lo, hi) { return [0, Math.max((hi || 0) * 1.1, floor)]; } };
+    // Bars are centred on their day: pad the axis by half a day either side so the first and
+    // last are not cut in half.
+    var x = bars ? { time: true, range: function (u, lo, hi) { return [lo - 43200, hi + 43200]; } } : { time: true };
     return {
       width: width, height: 180,
-      scales: { y: y },
+      scales: { x: x, y: y },
       legend: { live: true },
       series: [{}].concat(c.series.map(function (s, i) {
         var colour = palette[i % palette.length];
