@@ -117,6 +117,7 @@ def test_pages_carry_the_csp_and_no_inline_script_or_style(
         assert not re.search(r"\son[a-z]+=", r.text), path  # no inline event handlers
     hits = c.get("/hit-rates.json").json()
     assert hits["summary"] == "No routing decisions yet." and hits["interval_s"] == 10
+    assert hits["window_s"] == 3600  # the x axis: the ring's whole hour
     (chart,) = hits["charts"]
     assert chart["id"] == "hit-rate" and chart["series"] == []  # no decisions, no series
     charts = c.get("/routing.json").json()["charts"]

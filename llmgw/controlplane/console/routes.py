@@ -320,6 +320,12 @@ def _routes(router: APIRouter, c: Console) -> None:
             headers={"Cache-Control": "no-store"},
         )
 
+    def _ring_json(charts: list[dict[str, Any]], **extra: Any) -> Response:
+        # The x axis is always the ring's whole hour: what the ring does not hold (before a
+        # restart, during a stall) is an empty stretch, not a squeezed axis.
+        window_s = c.sampler.ring.capacity * c.sampler.interval_s
+        return _charts_json(charts, window_s=window_s, **extra)
+
     @router.get("/hit-rates.json")
     async def hit_rates(request: Request) -> Response:
         c.fragment_session(request)
@@ -333,7 +339,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             )
             for m in models
         )
-        return _charts_json(
+        return _ring_json(
             [routing_view.hit_rate_chart(c.sampler.ring)],
             summary=summary or "No routing decisions yet.",
         )
@@ -353,7 +359,7 @@ def _routes(router: APIRouter, c: Console) -> None:
     @router.get("/routing.json")
     async def routing_charts(request: Request) -> Response:
         c.fragment_session(request)
-        return _charts_json(routing_view.charts(c.sampler.ring))
+        return _ring_json(routing_view.charts(c.sampler.ring))
 
     # --- a deployment --------------------------------------------------------------------
     # Names may hold "/" ({name:path}); the routes with a suffix come first, or the bare

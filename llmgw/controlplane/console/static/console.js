@@ -5,6 +5,7 @@
 // anywhere: the page's CSP forbids it.
 "use strict";
 (function () {
+  var latest = { at: 0, window_s: 0 }; // the last ring answer's time and window
   var palette = ["#0a4fa8", "#a3140e", "#1d5e20", "#7a4b00", "#5b2a86", "#00637a", "#8a1d5c", "#3d4a00"];
 
   function fmt(unit) {
@@ -19,7 +20,7 @@
     };
   }
 
-  function options(c, width) {
+  function options(c, width, body) {
     var bars = c.kind === "bars" && uPlot.paths && uPlot.paths.bars;
     // A floor on the y range: an idle hour draws a flat line at 0, not an axis of 1e-9.
     var floor = { rate: 0.1, seconds: 0.01, count: 1 }[c.unit] || 1;
@@ -27,6 +28,8 @@
     // Bars are centred on their day: pad the axis by half a day either side so the first and
     // last are not cut in half.
     var x = bars ? { time: true, range: function (u, lo, hi) { return [lo - 43200, hi + 43200]; } } : { time: true };
+    // A ring's chart spans its whole window, ending now (set on every redraw, see render).
+    if (!bars && body.window_s) x = { time: true, range: function () { return [latest.at - latest.window_s, latest.at]; } };
     return {
       width: width, height: 180,
       scales: { x: x, y: y },
@@ -53,6 +56,7 @@
 
     function render(body) {
       var seen = {};
+      if (body.window_s) { latest.at = body.at; latest.window_s = body.window_s; }
       (body.charts || []).forEach(function (c) {
         seen[c.id] = true;
         var entry = plots[c.id];
@@ -89,7 +93,7 @@
           entry.plot.setData(data);
         } else {
           entry.holder.textContent = "";
-          entry.plot = new uPlot(options(c, Math.max(300, entry.fig.clientWidth - 8)), data, entry.holder);
+          entry.plot = new uPlot(options(c, Math.max(300, entry.fig.clientWidth - 8), body), data, entry.holder);
         }
       });
       Object.keys(plots).forEach(function (id) {
