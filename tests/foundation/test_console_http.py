@@ -55,6 +55,8 @@ def test_scale_a_deployment_whose_name_holds_a_slash(
 
     page = c.get("/deployments/team/chat")
     assert page.status_code == 200 and "Deployment team/chat" in page.text, page.text
+    fingerprint = admin.get("/profiles/team/p").json()["fingerprint"]
+    assert f"<code>{fingerprint[:16]}</code> (sim, TP 1" in page.text  # the profile's version
     assert c.get("/deployments/team/chat/live").status_code == 200
     ask = c.post("/deployments/team/chat/scale", data={"csrf": csrf, "replicas": "2"})
     assert ask.status_code == 200 and "from 0 to 2" in ask.text  # confirm first

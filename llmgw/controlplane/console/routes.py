@@ -372,7 +372,13 @@ def _routes(router: APIRouter, c: Console) -> None:
             "items"
         ) or []
         mine = [r for r in replicas if r.get("deployment") == name]
+        try:
+            profile = await c.calls.get(f"/admin/v1/profiles/{quote(d['profile'], safe='')}")
+        except AdminCallError:
+            profile = None  # deleted under it: the page still shows the replicas
         return {
+            "profile": profile,
+            "on_profile": sum(1 for r in mine if not r.get("stale")),
             "d": {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)},
             "replicas": mine[:_MAX_ROWS],
             "more_replicas": max(len(mine) - _MAX_ROWS, 0),
