@@ -71,14 +71,21 @@ def test_attention_puts_failing_shards_first_with_the_engines_own_words() -> Non
          "last_sync_at": (NOW - timedelta(seconds=120)).isoformat()},
         {"name": "new", "approval_state": "pending", "last_sync_at": None},
     ]  # fmt: skip
-    got = attention(nodes, deployments, replicas, now=NOW, stale_sync_s=30)
+    replicas.append({"deployment": "e", "shards": [{**_shard("ready"), "id": "kv-shard-1"}]})
+    kv = {"kv-shard-1": "partial", "0123456789": "incomplete", "gone": "partial"}
+    got = attention(nodes, deployments, replicas, now=NOW, stale_sync_s=30, kv_not_whole=kv)
     assert [(a.what, a.subject.split()[0]) for a in got] == [
         ("shard failed", "b"),
         ("crash-looping", "a"),
         ("rollout stalled", "d"),
         ("node stopped syncing", "quiet"),
+        # A failing shard's view is not news; a shard no replica holds is not listed.
+        ("KV view incomplete", "a"),
+        ("KV view incomplete", "a"),
+        ("KV view partial", "e"),
         ("node pending approval", "new"),
     ]
+    assert "after losing events" in got[6].reason
     assert got[0].reason == "crash loop: exited 2; the engine said: No such option: --bad"
     assert got[3].reason == "last sync 120s ago"
 

@@ -27,7 +27,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from prometheus_client import CollectorRegistry
 from starlette.staticfiles import StaticFiles
 
-from llmgw.controlplane.agentapi.kv_intake import TokenBucket
+from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
 from llmgw.controlplane.console import fleet_view, routing_view, usage_view
 from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError, AdminCalls
 from llmgw.controlplane.console.sampler import RoutingSampler
@@ -86,7 +86,11 @@ class Console:
     """The state the routes share: sessions, the sign-in limiter, the admin API in process."""
 
     def __init__(
-        self, app: FastAPI, admin_token: str, registry: CollectorRegistry | None = None
+        self,
+        app: FastAPI,
+        admin_token: str,
+        registry: CollectorRegistry | None = None,
+        kv: KvIntake | None = None,
     ) -> None:
         self.sessions = SessionStore(ttl_s=SESSION_TTL_S, idle_s=SESSION_IDLE_S)
         # Failed sign-ins only: guessing the token costs a second per try after a burst.
@@ -95,6 +99,8 @@ class Console:
         self.calls = AdminCalls(app, admin_token)
         # The routing charts' ring: the app's lifespan runs ``sampler.run``.
         self.sampler = RoutingSampler(registry)
+        # This instance's KV views (the one the router reads): which are held only in part.
+        self.kv = kv
 
     # --- answers -----------------------------------------------------------------------
 
@@ -183,12 +189,17 @@ class Console:
 
 
 def install_console(
-    app: FastAPI, *, admin_token: str, registry: CollectorRegistry | None = None
+    app: FastAPI,
+    *,
+    admin_token: str,
+    registry: CollectorRegistry | None = None,
+    kv: KvIntake | None = None,
 ) -> Console:
     """Mount the console at ``/ui`` on ``app`` (the internal listener's). ``registry`` holds
     the gateway's metrics the Routing page samples; the caller runs ``console.sampler.run``
-    for as long as the app serves."""
-    console = Console(app, admin_token, registry)
+    for as long as the app serves. ``kv`` is this instance's KV intake (partial views are
+    listed under "needs attention")."""
+    console = Console(app, admin_token, registry, kv)
     app.mount(
         f"{PREFIX}/static",
         StaticFiles(packages=[("llmgw.controlplane.console", "static")]),
@@ -298,8 +309,9 @@ def _routes(router: APIRouter, c: Console) -> None:
         replicas = await c.calls.items("replicas")
         now = _now()
         attention = fleet_view.attention(
-            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S
-        )
+            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S,
+            kv_not_whole=c.kv.not_whole() if c.kv is not None else None,
+        )  # fmt: skip
         return {
             "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
             "deployments": [
