@@ -218,3 +218,29 @@ def test_the_csv_is_quoted_and_never_a_formula() -> None:
     assert parsed[1] == ["2026-01-10", "team,a", "id-team,a", 'm "x"', "1", "10", "0", "5", "15"]
     assert parsed[2][1] == "'=HYPERLINK(1)" and parsed[2][3] == "'@m"
     assert usage_csv([]) == ",".join(parsed[0]) + "\r\n"
+
+
+async def test_the_sampler_loop_reads_off_the_loop_and_stops_when_told() -> None:
+    import asyncio
+
+    registry = CollectorRegistry()
+    m = GatewayMetrics.create(registry)
+    m.gauge(m.admitted_in_flight, 2, "rep-1")
+    sampler = RoutingSampler(registry, interval_s=0.05)
+    two_rows = asyncio.Event()
+    sample = sampler.sample
+
+    def counted(now: float, cur: rv.Snapshot | None = None) -> None:
+        sample(now, cur)
+        if len(sampler.ring) >= 2:
+            two_rows.set()
+
+    sampler.sample = counted  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(sampler.run(stop))
+    async with asyncio.timeout(5):
+        await two_rows.wait()
+    stop.set()
+    async with asyncio.timeout(5):
+        await task
+    assert sampler.ring.series(("in_flight", "rep-1"))[:2] == [2, 2]

@@ -341,7 +341,7 @@ def _routes(router: APIRouter, c: Console) -> None:
     @router.get("/hit-rates.json")
     async def hit_rates(request: Request) -> Response:
         c.fragment_session(request)
-        models = routing_view.table(c.sampler.read())["models"]
+        models = routing_view.table(await c.sampler.read_off_loop())["models"]
         summary = "; ".join(
             f"{m['model']}: "
             + (
@@ -360,7 +360,7 @@ def _routes(router: APIRouter, c: Console) -> None:
 
     async def routing_context() -> dict[str, Any]:
         return {
-            **routing_view.table(c.sampler.read()),
+            **routing_view.table(await c.sampler.read_off_loop()),
             "interval_s": c.sampler.interval_s,
             "ring_points": c.sampler.ring.capacity,
             "now": _now().strftime("%H:%M:%S UTC"),
