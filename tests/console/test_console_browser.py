@@ -237,6 +237,7 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             # --- routing: the tables now, the charts from the control plane's ring ----------
             page.get_by_role("navigation").get_by_role("link", name="Routing").click()
             page.wait_for_url(f"{base}/routing")
+            routing_at = time.monotonic()
             _weigh(page, "routing", len(page.content().encode()), weights)
             row = page.locator('tr[data-model="demo"]')
             # Six of ours, and the one `up` probed the gateway with.
@@ -245,6 +246,9 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             )
             expect(row.locator('[data-field="mode"]')).to_contain_text(re.compile("local|remote"))
             expect(page.locator("tr[data-replica]").first).to_be_visible()
+            # Each replica under its model, those not sent a request yet too (the admin API's).
+            cells = page.locator('tr[data-replica] [data-field="model"]').all_inner_texts()
+            assert cells and set(cells) == {"demo"}, cells
             # The ring samples every 10 s: the sample after the traffic has its decisions.
             decided = page.locator('figure[data-chart="decisions:demo"]')
             page.wait_for_function(
@@ -256,7 +260,10 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             expect(decided.locator("canvas")).to_have_count(1)
             expect(page.locator('figure[data-chart="ttft:demo"] canvas')).to_have_count(1)
             expect(page.locator('figure[data-chart="load"]')).to_be_visible()
-            print(f"routing chart drawn {time.monotonic() - traffic_at:.1f}s after the traffic")
+            print(
+                f"routing page {routing_at - traffic_at:.1f}s after the traffic, its charts "
+                f"drawn {time.monotonic() - routing_at:.1f}s later"
+            )
             ring = page.request.get(f"{base}/hit-rates.json").json()
             (hit_series,) = ring["charts"][0]["series"]
             assert hit_series["label"] == "demo"

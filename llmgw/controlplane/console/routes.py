@@ -359,8 +359,18 @@ def _routes(router: APIRouter, c: Console) -> None:
     # --- routing -------------------------------------------------------------------------
 
     async def routing_context() -> dict[str, Any]:
+        view = routing_view.table(await c.sampler.read_off_loop())
+        # A replica this gateway has not sent a request yet has no model in its metrics: the
+        # admin API knows its deployment's.
+        models = {d["name"]: d["model"] for d in await c.calls.items("deployments")}
+        placed = {
+            str(r["id"]): models.get(str(r.get("deployment")), "")
+            for r in await c.calls.items("replicas")
+        }
+        for row in view["replicas"]:
+            row["model"] = row["model"] or placed.get(row["replica"], "")
         return {
-            **routing_view.table(await c.sampler.read_off_loop()),
+            **view,
             "interval_s": c.sampler.interval_s,
             "ring_points": c.sampler.ring.capacity,
             "now": _now().strftime("%H:%M:%S UTC"),
