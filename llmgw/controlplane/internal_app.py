@@ -293,6 +293,8 @@ def create_app(
         background = (
             [asyncio.create_task(reconciler.run(stop), name="reconcile")] if reconciler else []
         )
+        # The console's routing charts: this process's gateway sampled into a ring.
+        background.append(asyncio.create_task(console.sampler.run(stop), name="console-sampler"))
         try:
             yield
         finally:
@@ -367,7 +369,8 @@ def create_app(
 
     app.include_router(admin_router)
     # The web console at /ui: pages over the admin API, behind its own sign-in.
-    console = install_console(app, admin_token=settings.admin_token)
+    intake = kv_intake if kv_intake is not None else KvIntake()
+    console = install_console(app, admin_token=settings.admin_token, registry=metrics, kv=intake)
     # Registration, sync and KV deltas; starts and stops with the app (heartbeats, instances).
     install_agent_api(
         app,
@@ -375,7 +378,7 @@ def create_app(
         sessions=sessions,
         instance=instance,
         registry=metrics,
-        intake=kv_intake if kv_intake is not None else KvIntake(),
+        intake=intake,
     )
     return app
 

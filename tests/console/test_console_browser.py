@@ -1,16 +1,22 @@
 """The web console in a real browser (the system's chromium, headless, through Playwright)
 against one real `llmgw up`: sign in, see the demo deployment ready, scale it to 3 and watch
 the page show 3 ready without a reload, see a crashing shard's reason after a bad profile is
-planted, create a key (its secret shown once), revoke it, sign out. A cross-site form post
-(the browser sends the cookie: another port is the same site) and requests without the cookie
-are refused. Page weights and time to first paint are printed; screenshots land in the test's
-tmp dir (and in docs/console/ with LLMGW_CONSOLE_SHOTS=docs/console).
+planted, see the Routing page's tables and charts (from the control plane's ring) after some
+requests, create a key (its secret shown once), revoke it, see usage per day and download it
+as CSV (its rows are the admin API's), approve a pending node, sign out. A cross-site form
+post (the browser sends the cookie: another port is the same site) and requests without the
+cookie are refused. Page weights and time to first paint are printed; screenshots of every
+page land in the test's tmp dir, or in LLMGW_CONSOLE_SHOTS_ALL when set (and the README's
+two in docs/console/ with LLMGW_CONSOLE_SHOTS=docs/console).
 """
 
 from __future__ import annotations
 
+import csv
 import http.server
+import io
 import os
+import re
 import shutil
 import threading
 import time
@@ -85,10 +91,39 @@ def _weigh(page: Any, what: str, html_bytes: int, weights: dict[str, Any]) -> No
 
 
 def _shot(page: Any, out: Path, name: str) -> None:
-    page.screenshot(path=str(out / f"{name}.png"), full_page=True)
+    every = os.environ.get("LLMGW_CONSOLE_SHOTS_ALL")
+    page.screenshot(path=str(Path(every) if every else out) + f"/{name}.png", full_page=True)
     docs = os.environ.get("LLMGW_CONSOLE_SHOTS")
     if docs and name in _DOC_SHOTS:
         page.screenshot(path=str(Path(docs) / f"{name}.png"), full_page=True)
+
+
+def _traffic(gateway: str, api_key: str, *, n: int) -> None:
+    """``n`` streamed chat requests sharing a prefix (the later ones can hit it)."""
+    with httpx.Client(headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as client:
+        for i in range(n):
+            body = {
+                "model": "demo", "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Tell me about fleets " * 40 + str(i)}],
+            }  # fmt: skip
+            with client.stream("POST", f"{gateway}/chat/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                for _ in r.iter_bytes():
+                    pass
+
+
+def _register_pending(admin_url: str, admin: httpx.Client, name: str) -> None:
+    token = admin.post("/bootstrap-tokens", json={"require_approval": True, "uses": 1})
+    token.raise_for_status()
+    r = httpx.post(
+        f"{admin_url}/agent/v1/register",
+        json={
+            "bootstrap_token": token.json()["token"], "node_name": name,
+            "mgmt_addr": "127.0.0.1", "inventory": {"cpu_threads": 2, "source": "file"},
+        },
+        timeout=10,
+    )  # fmt: skip
+    assert r.status_code in (200, 201) and r.json()["approval_state"] == "pending", r.text
 
 
 @pytest.mark.skipif(
@@ -141,6 +176,11 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             assert page.url == f"{base}/overview"
             (cookie,) = [c for c in context.cookies() if c["name"] == "llmgw_console"]
             assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+            # Traffic for the Routing page and usage, sent now so the control plane's 10 s
+            # sampler has taken it into its ring by the time the page is visited.
+            gateway = info["base_url"]
+            _traffic(gateway, info["api_key"], n=6)
+            traffic_at = time.monotonic()
 
             # --- the overview: the demo deployment ready ---------------------------------
             demo = page.locator('tr[data-deployment="demo"]')
@@ -168,6 +208,11 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             assert page.evaluate("() => window.__notReloaded === true"), "the page reloaded"
             _weigh(page, "deployment", len(page.content().encode()), weights)
             _shot(page, tmp_path, "deployment")
+            page.get_by_role("button", name="Suspend…").click()
+            expect(page.get_by_role("heading", level=1)).to_have_text("Suspend deployment demo?")
+            page.get_by_role("link", name="Cancel").click()
+            page.wait_for_url(f"{base}/deployments/demo")
+            assert admin.get("/deployments/demo").json()["state"] == "active"
 
             # --- a planted bad profile: the crashing shard's reason on the overview --------
             admin.post(
@@ -189,6 +234,43 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             assert page.evaluate("() => window.__notReloaded === true")
             _shot(page, tmp_path, "overview")
 
+            # --- routing: the tables now, the charts from the control plane's ring ----------
+            page.get_by_role("navigation").get_by_role("link", name="Routing").click()
+            page.wait_for_url(f"{base}/routing")
+            routing_at = time.monotonic()
+            _weigh(page, "routing", len(page.content().encode()), weights)
+            row = page.locator('tr[data-model="demo"]')
+            # Six of ours, and the one `up` probed the gateway with.
+            expect(row.locator('[data-field="decisions"]')).to_have_text(
+                re.compile("^([7-9]|1[0-9])$")
+            )
+            expect(row.locator('[data-field="mode"]')).to_contain_text(re.compile("local|remote"))
+            expect(page.locator("tr[data-replica]").first).to_be_visible()
+            # Each replica under its model, those not sent a request yet too (the admin API's).
+            cells = page.locator('tr[data-replica] [data-field="model"]').all_inner_texts()
+            assert cells and set(cells) == {"demo"}, cells
+            # The ring samples every 10 s: the sample after the traffic has its decisions.
+            decided = page.locator('figure[data-chart="decisions:demo"]')
+            page.wait_for_function(
+                "() => { const f = document.querySelector("
+                "'figure[data-chart=\"decisions:demo\"]');"
+                " return f && Number(f.dataset.points) > 0; }",
+                timeout=30_000,
+            )
+            expect(decided.locator("canvas")).to_have_count(1)
+            expect(page.locator('figure[data-chart="ttft:demo"] canvas')).to_have_count(1)
+            expect(page.locator('figure[data-chart="load"]')).to_be_visible()
+            print(
+                f"routing page {routing_at - traffic_at:.1f}s after the traffic, its charts "
+                f"drawn {time.monotonic() - routing_at:.1f}s later"
+            )
+            ring = page.request.get(f"{base}/hit-rates.json").json()
+            (hit_series,) = ring["charts"][0]["series"]
+            assert hit_series["label"] == "demo"
+            assert [v for v in hit_series["values"] if v is not None], hit_series
+            assert re.search(r"demo: \d+% of ([7-9]|1\d) decisions", ring["summary"]), ring
+            _shot(page, tmp_path, "routing")
+
             # --- keys: create (the secret once), revoke -------------------------------------
             page.get_by_role("link", name="Keys and usage").click()
             page.get_by_label("Name", exact=True).fill("console-test")
@@ -196,7 +278,6 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             secret = page.get_by_label("API key").input_value()
             assert secret.startswith("llmgw_"), secret
             _weigh(page, "keys", len(page.content().encode()), weights)
-            gateway = info["base_url"]
             models = httpx.get(
                 f"{gateway}/models", headers={"Authorization": f"Bearer {secret}"}, timeout=10
             )
@@ -207,6 +288,23 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
                 page.get_by_role("button", name="Revoke key console-test").click()
             expect(page.locator('tr[data-key="console-test"] .key-status')).to_have_text("revoked")
             assert admin.get("/keys/console-test").json()["disabled"] is True
+            usage_chart = page.locator('figure[data-chart="usage-daily"]')
+            expect(usage_chart.locator("canvas")).to_have_count(1)
+            assert int(usage_chart.get_attribute("data-points") or 0) > 0
+            _shot(page, tmp_path, "keys")
+            with page.expect_download() as download:
+                page.get_by_role("link", name="Download the last 31 days as CSV").click()
+            assert download.value.suggested_filename.startswith("llmgw-usage-")
+            exported = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))
+            per_day = admin.get("/usage", params={"group": "day"}).json()["items"]
+            assert per_day and len(exported) == len(per_day), (exported, per_day)
+            for want, got in zip(per_day, exported, strict=True):
+                assert (got["day"], got["key"], got["model"]) == (
+                    want["start"][:10], want["key"], want["model"],
+                )  # fmt: skip
+                assert int(got["requests"]) == want["requests"]
+                assert int(got["total_tokens"]) == want["total_tokens"]
+            assert sum(int(r["requests"]) for r in exported if r["model"] == "demo") >= 6
 
             # --- nodes ---------------------------------------------------------------------
             page.get_by_role("link", name="Nodes").click()
@@ -236,6 +334,14 @@ def test_the_console_in_a_browser(pg_tmp_path: Path, tmp_path: Path) -> None:
             page.get_by_role("link", name="Cancel").click()
             page.wait_for_url(f"{base}/nodes")
             assert admin.get(f"/nodes/{node}").json()["draining"] is False
+            _shot(page, tmp_path, "nodes")
+            # A node registering with a token that requires approval: pending until approved.
+            _register_pending(info["admin_url"], admin, "pending-node")
+            approve = page.get_by_role("button", name="Approve node pending-node")
+            expect(approve).to_be_visible()  # the live region brought it in
+            with page.expect_navigation():
+                approve.click()
+            assert admin.get("/nodes/pending-node").json()["approval_state"] == "approved"
 
             # --- a cross-site form post is refused, though the browser sent the cookie -----
             with _cross_site_page(f"{base}/deployments/demo/scale") as evil:

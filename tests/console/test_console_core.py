@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from llmgw.controlplane.console.fleet_view import attention, gpus_per_class, last_log_line
+from llmgw.controlplane.console.fleet_view import (
+    attention,
+    gpus_per_class,
+    last_log_line,
+    suspended,
+)
 from llmgw.controlplane.console.sessions import SessionStore
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -66,14 +71,21 @@ def test_attention_puts_failing_shards_first_with_the_engines_own_words() -> Non
          "last_sync_at": (NOW - timedelta(seconds=120)).isoformat()},
         {"name": "new", "approval_state": "pending", "last_sync_at": None},
     ]  # fmt: skip
-    got = attention(nodes, deployments, replicas, now=NOW, stale_sync_s=30)
+    replicas.append({"deployment": "e", "shards": [{**_shard("ready"), "id": "kv-shard-1"}]})
+    kv = {"kv-shard-1": "partial", "0123456789": "incomplete", "gone": "partial"}
+    got = attention(nodes, deployments, replicas, now=NOW, stale_sync_s=30, kv_not_whole=kv)
     assert [(a.what, a.subject.split()[0]) for a in got] == [
         ("shard failed", "b"),
         ("crash-looping", "a"),
         ("rollout stalled", "d"),
         ("node stopped syncing", "quiet"),
+        # A failing shard's view is not news; a shard no replica holds is not listed.
+        ("KV view incomplete", "a"),
+        ("KV view incomplete", "a"),
+        ("KV view partial", "e"),
         ("node pending approval", "new"),
     ]
+    assert "after losing events" in got[6].reason
     assert got[0].reason == "crash loop: exited 2; the engine said: No such option: --bad"
     assert got[3].reason == "last sync 120s ago"
 
@@ -87,3 +99,11 @@ def test_last_log_line_and_gpus_per_name() -> None:
     }  # fmt: skip
     assert gpus_per_class(node) == [("sim", 2, 1)]
     assert gpus_per_class({"num_gpus": 0, "free_gpus": 0, "inventory": {}}) == []
+
+
+def test_suspended_replicas_are_unknown_until_the_api_reports_them() -> None:
+    assert suspended({"status": {"ready_replicas": 2}}) is None
+    assert suspended({"status": None}) is None and suspended({}) is None
+    assert suspended({"status": {"suspended_replicas": 0}}) == 0
+    assert suspended({"status": {"suspended_replicas": 3}}) == 3
+    assert suspended({"status": {"suspended_replicas": True}}) is None

@@ -87,9 +87,11 @@ def test_an_incomplete_chunked_copy_is_partial_until_its_last_chunk() -> None:
     first = _req(base_version=0, new_version=3, reset=True, complete=False, added={"GPU": [1]})
     assert intake.apply("node-a", first, PLACED) == "ack"
     assert intake.index.is_partial("s1") and not intake.is_complete("s1")
+    assert intake.not_whole() == {"s1": "partial"}  # the console lists it
     last = _req(base_version=3, new_version=3, added={"GPU": [2]})
     assert intake.apply("node-a", last, PLACED) == "ack"
     assert not intake.index.is_partial("s1") and intake.is_complete("s1")
+    assert intake.not_whole() == {}
     assert holds_exactly(intake.index, "m", "s1", {"GPU": {1, 2}})
 
 

@@ -55,6 +55,8 @@ def test_scale_a_deployment_whose_name_holds_a_slash(
 
     page = c.get("/deployments/team/chat")
     assert page.status_code == 200 and "Deployment team/chat" in page.text, page.text
+    fingerprint = admin.get("/profiles/team/p").json()["fingerprint"]
+    assert f"<code>{fingerprint[:16]}</code> (sim, TP 1" in page.text  # the profile's version
     assert c.get("/deployments/team/chat/live").status_code == 200
     ask = c.post("/deployments/team/chat/scale", data={"csrf": csrf, "replicas": "2"})
     assert ask.status_code == 200 and "from 0 to 2" in ask.text  # confirm first
@@ -73,6 +75,21 @@ def test_scale_a_deployment_whose_name_holds_a_slash(
     done = c.post("/deployments/team/chat/scale", data=form)
     assert done.status_code == 303, done.text
     assert admin.get("/deployments/team/chat").json()["replicas"] == 2
+
+    # Suspend, confirmed on a page of its own; then resume.
+    ask = c.post("/deployments/team/chat/suspend", data={"csrf": csrf})
+    assert ask.status_code == 200 and "Suspend deployment team/chat?" in ask.text, ask.text
+    assert admin.get("/deployments/team/chat").json()["state"] == "active"
+    refused = c.post("/deployments/team/chat/suspend", data={"csrf": "", "confirmed": "yes"})
+    assert refused.status_code == 403
+    done = c.post("/deployments/team/chat/suspend", data={"csrf": csrf, "confirmed": "yes"})
+    assert done.status_code == 303, done.text
+    assert admin.get("/deployments/team/chat").json()["state"] == "suspended"
+    assert "Resume…" in c.get("/deployments/team/chat").text
+    done = c.post("/deployments/team/chat/resume", data={"csrf": csrf, "confirmed": "yes"})
+    assert done.status_code == 303, done.text
+    assert admin.get("/deployments/team/chat").json()["state"] == "active"
+    assert c.post("/deployments/team/chat/explode", data={"csrf": csrf}).status_code == 404
     admin.close()
 
 
@@ -88,6 +105,8 @@ def test_pages_carry_the_csp_and_no_inline_script_or_style(
         "/keys/live",
         "/nodes",
         "/nodes/live",
+        "/routing",
+        "/routing/live",
     ):
         r = c.get(path, follow_redirects=True)
         assert r.status_code == 200, (path, r.text)
@@ -98,4 +117,22 @@ def test_pages_carry_the_csp_and_no_inline_script_or_style(
         assert not re.search(r"<script(?![^>]*\bsrc=)", r.text), path
         assert not re.search(r"\sstyle=|<style", r.text), path
         assert not re.search(r"\son[a-z]+=", r.text), path  # no inline event handlers
-    assert c.get("/hit-rates.json").json()["models"] == {}
+    hits = c.get("/hit-rates.json").json()
+    assert hits["summary"] == "No routing decisions yet." and hits["interval_s"] == 10
+    assert hits["window_s"] == 3600  # the x axis: the ring's whole hour
+    (chart,) = hits["charts"]
+    assert chart["id"] == "hit-rate" and chart["series"] == []  # no decisions, no series
+    charts = c.get("/routing.json").json()["charts"]
+    assert [ch["id"] for ch in charts] == ["load"]
+    csv = c.get("/usage.csv")
+    assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
+    assert csv.headers["content-disposition"].startswith('attachment; filename="llmgw-usage-')
+    assert (
+        csv.text
+        == "day,key,key_id,model,requests,prompt_tokens,cached_tokens,completion_tokens,total_tokens\r\n"
+    )
+    assert c.get("/usage.csv", params={"days": "0"}).status_code == 422
+    assert c.get("/usage.json").json()["charts"][0]["id"] == "usage-daily"
+    with httpx.Client(base_url=str(c.base_url), timeout=10) as anonymous:
+        assert anonymous.get("/usage.csv").status_code == 303  # to the sign-in page
+        assert anonymous.get("/routing.json").status_code == 401

@@ -92,6 +92,18 @@ class KvIntake:
         held = self._held.get(shard_id)
         return held is not None and held.complete
 
+    def not_whole(self) -> dict[str, str]:
+        """Shard -> why the router cannot trust its view whole: "partial" (the agent said it
+        lost events) or "incomplete" (no full copy here yet). For the console's "needs
+        attention"; one pass over the shards held, not over their blocks."""
+        out = {}
+        for shard_id, held in self._held.items():
+            if self.index.is_partial(shard_id):
+                out[shard_id] = "partial"
+            elif not held.complete:
+                out[shard_id] = "incomplete"
+        return out
+
     def view(self, shard_id: str) -> ShardKvView | None:
         """Everything held for the shard (None: nothing). Walks the model's whole table, so it
         is for the debug endpoint and tests, never for a request path."""

@@ -54,10 +54,6 @@ class AdminCalls:
         r = await self._client.post(path, json=body if body is not None else {})
         return _reply(r)
 
-    async def metrics_text(self) -> str:
-        r = await self._client.get("/metrics")
-        return r.text if r.status_code == 200 else ""
-
 
 def _reply(r: httpx.Response) -> Any:
     if r.status_code >= 400:

@@ -7,6 +7,7 @@ means. What it must NOT do: I/O, read clocks (``now`` is passed) or format HTML.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "last_log_line",
     "prefix_hit_rates",
     "rollout_text",
+    "suspended",
 ]
 
 _DECISIONS = "llmgw_prefix_decisions"
@@ -66,6 +68,13 @@ def rollout_text(d: dict[str, Any]) -> str:
     return f"progressing: {updated}/{desired} updated, {ready}/{desired} ready"
 
 
+def suspended(d: dict[str, Any]) -> int | None:
+    """How many of a deployment's replicas are suspended, when its status says (None: the
+    admin API does not report it, which is not the same as none)."""
+    value = (d.get("status") or {}).get("suspended_replicas")
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def gpus_per_class(node: dict[str, Any]) -> list[tuple[str, int, int]]:
     """(GPU name, used, free) per distinct GPU name in a node's inventory, by name. The
     inventory lists names as NVML reports them; which class each matches is the placement's
@@ -102,10 +111,13 @@ def attention(
     *,
     now: datetime,
     stale_sync_s: float,
+    kv_not_whole: Mapping[str, str] | None = None,
 ) -> list[Attention]:
     """Failing or crash-looping shards with their reason, stalled rollouts, nodes that stopped
-    syncing and nodes waiting for approval, most urgent first."""
+    syncing, shards whose KV view this instance holds only in part (``kv_not_whole``: shard
+    id -> "partial" or "incomplete") and nodes waiting for approval, most urgent first."""
     out: list[Attention] = []
+    kv_not_whole = kv_not_whole or {}
     for rep in replicas:
         for s in rep.get("shards") or []:
             if s.get("released"):
@@ -113,6 +125,16 @@ def attention(
             state = str(s.get("observed_state") or "")
             restarts = int(s.get("restarts") or 0)
             subject = f"{rep.get('deployment') or '(deleted)'} shard {str(s.get('id'))[:8]} on {s.get('node')}"
+            why = kv_not_whole.get(str(s.get("id")))
+            if why is not None and state not in _FAILING_STATES:
+                out.append(
+                    Attention(
+                        4, f"KV view {why}", subject,
+                        "precise routing skips it (scored by the approximate tier) until its "
+                        "agent sends a full copy"
+                        + (" after losing events" if why == "partial" else ""),
+                    )
+                )  # fmt: skip
             if state in _FAILING_STATES:
                 reason = str(s.get("reason") or "")
                 said = last_log_line(str(s.get("log_tail") or ""))
@@ -132,7 +154,7 @@ def attention(
     for n in nodes:
         if n.get("approval_state") == "pending":
             out.append(
-                Attention(4, "node pending approval", str(n.get("name")), "approve it on Nodes")
+                Attention(5, "node pending approval", str(n.get("name")), "approve it on Nodes")
             )
             continue
         last = _parse(n.get("last_sync_at"))

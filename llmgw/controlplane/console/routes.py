@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -24,11 +24,13 @@ import structlog
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from jinja2 import Environment, PackageLoader, select_autoescape
+from prometheus_client import CollectorRegistry
 from starlette.staticfiles import StaticFiles
 
-from llmgw.controlplane.agentapi.kv_intake import TokenBucket
-from llmgw.controlplane.console import fleet_view
+from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
+from llmgw.controlplane.console import fleet_view, routing_view, usage_view
 from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError, AdminCalls
+from llmgw.controlplane.console.sampler import RoutingSampler
 from llmgw.controlplane.console.sessions import COOKIE, Session, SessionStore
 
 __all__ = ["install_console"]
@@ -44,6 +46,12 @@ _MAX_FORM_BYTES = 16 * 1024
 # A node that has not synced for this long is listed under "needs attention" (agents sync
 # every ~2 s; the reconciler's own grace is longer).
 _STALE_SYNC_S = 30.0
+# The usage chart's days, and the CSV export's default and most (UTC days, today included).
+_CHART_DAYS = 14
+_CSV_DAYS = 31
+_CSV_MAX_DAYS = 366
+# Rows the CSV export holds at most: the admin API's own page bound.
+CSV_MAX_ROWS = 10_000
 # Rows of one list a page renders (replicas, attention lines): with the page's other parts
 # this keeps its HTML under 100 KB however large the fleet; the rest is counted, not shown.
 _MAX_ROWS = 100
@@ -77,12 +85,22 @@ class _Refused(Exception):
 class Console:
     """The state the routes share: sessions, the sign-in limiter, the admin API in process."""
 
-    def __init__(self, app: FastAPI, admin_token: str) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        admin_token: str,
+        registry: CollectorRegistry | None = None,
+        kv: KvIntake | None = None,
+    ) -> None:
         self.sessions = SessionStore(ttl_s=SESSION_TTL_S, idle_s=SESSION_IDLE_S)
         # Failed sign-ins only: guessing the token costs a second per try after a burst.
         self.failures = TokenBucket(rate_per_s=1.0, burst=10)
         self.admin_token = admin_token
         self.calls = AdminCalls(app, admin_token)
+        # The routing charts' ring: the app's lifespan runs ``sampler.run``.
+        self.sampler = RoutingSampler(registry)
+        # This instance's KV views (the one the router reads): which are held only in part.
+        self.kv = kv
 
     # --- answers -----------------------------------------------------------------------
 
@@ -170,9 +188,18 @@ class Console:
         return s, await self.form(request, s)
 
 
-def install_console(app: FastAPI, *, admin_token: str) -> Console:
-    """Mount the console at ``/ui`` on ``app`` (the internal listener's)."""
-    console = Console(app, admin_token)
+def install_console(
+    app: FastAPI,
+    *,
+    admin_token: str,
+    registry: CollectorRegistry | None = None,
+    kv: KvIntake | None = None,
+) -> Console:
+    """Mount the console at ``/ui`` on ``app`` (the internal listener's). ``registry`` holds
+    the gateway's metrics the Routing page samples; the caller runs ``console.sampler.run``
+    for as long as the app serves. ``kv`` is this instance's KV intake (partial views are
+    listed under "needs attention")."""
+    console = Console(app, admin_token, registry, kv)
     app.mount(
         f"{PREFIX}/static",
         StaticFiles(packages=[("llmgw.controlplane.console", "static")]),
@@ -282,11 +309,15 @@ def _routes(router: APIRouter, c: Console) -> None:
         replicas = await c.calls.items("replicas")
         now = _now()
         attention = fleet_view.attention(
-            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S
-        )
+            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S,
+            kv_not_whole=c.kv.not_whole() if c.kv is not None else None,
+        )  # fmt: skip
         return {
             "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
-            "deployments": [{**d, "rollout": fleet_view.rollout_text(d)} for d in deployments],
+            "deployments": [
+                {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)}
+                for d in deployments
+            ],
             "attention": attention[:_MAX_ROWS],
             "more_attention": max(len(attention) - _MAX_ROWS, 0),
             "now": now.strftime("%H:%M:%S UTC"),
@@ -295,13 +326,62 @@ def _routes(router: APIRouter, c: Console) -> None:
 
     _page_and_live(router, c, "overview", overview_context)
 
+    def _charts_json(charts: list[dict[str, Any]], **extra: Any) -> Response:
+        return JSONResponse(
+            {"at": time.time(), "interval_s": c.sampler.interval_s, "charts": charts, **extra},
+            headers={"Cache-Control": "no-store"},
+        )
+
+    def _ring_json(charts: list[dict[str, Any]], **extra: Any) -> Response:
+        # The x axis is always the ring's whole hour: what the ring does not hold (before a
+        # restart, during a stall) is an empty stretch, not a squeezed axis.
+        window_s = c.sampler.ring.capacity * c.sampler.interval_s
+        return _charts_json(charts, window_s=window_s, **extra)
+
     @router.get("/hit-rates.json")
     async def hit_rates(request: Request) -> Response:
         c.fragment_session(request)
-        rates = fleet_view.prefix_hit_rates(await c.calls.metrics_text())
-        return JSONResponse(
-            {"at": time.time(), "models": rates}, headers={"Cache-Control": "no-store"}
+        models = routing_view.table(await c.sampler.read_off_loop())["models"]
+        summary = "; ".join(
+            f"{m['model']}: "
+            + (
+                "no decisions yet"
+                if m["hit_rate"] is None
+                else f"{round(m['hit_rate'] * 100)}% of {m['decisions']} decisions"
+            )
+            for m in models
         )
+        return _ring_json(
+            [routing_view.hit_rate_chart(c.sampler.ring)],
+            summary=summary or "No routing decisions yet.",
+        )
+
+    # --- routing -------------------------------------------------------------------------
+
+    async def routing_context() -> dict[str, Any]:
+        view = routing_view.table(await c.sampler.read_off_loop())
+        # A replica this gateway has not sent a request yet has no model in its metrics: the
+        # admin API knows its deployment's.
+        models = {d["name"]: d["model"] for d in await c.calls.items("deployments")}
+        placed = {
+            str(r["id"]): models.get(str(r.get("deployment")), "")
+            for r in await c.calls.items("replicas")
+        }
+        for row in view["replicas"]:
+            row["model"] = row["model"] or placed.get(row["replica"], "")
+        return {
+            **view,
+            "interval_s": c.sampler.interval_s,
+            "ring_points": c.sampler.ring.capacity,
+            "now": _now().strftime("%H:%M:%S UTC"),
+        }
+
+    _page_and_live(router, c, "routing", routing_context)
+
+    @router.get("/routing.json")
+    async def routing_charts(request: Request) -> Response:
+        c.fragment_session(request)
+        return _ring_json(routing_view.charts(c.sampler.ring))
 
     # --- a deployment --------------------------------------------------------------------
     # Names may hold "/" ({name:path}); the routes with a suffix come first, or the bare
@@ -314,8 +394,14 @@ def _routes(router: APIRouter, c: Console) -> None:
             "items"
         ) or []
         mine = [r for r in replicas if r.get("deployment") == name]
+        try:
+            profile = await c.calls.get(f"/admin/v1/profiles/{quote(d['profile'], safe='')}")
+        except AdminCallError:
+            profile = None  # deleted under it: the page still shows the replicas
         return {
-            "d": {**d, "rollout": fleet_view.rollout_text(d)},
+            "profile": profile,
+            "on_profile": sum(1 for r in mine if not r.get("stale")),
+            "d": {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)},
             "replicas": mine[:_MAX_ROWS],
             "more_replicas": max(len(mine) - _MAX_ROWS, 0),
             "actions": actions,
@@ -366,6 +452,28 @@ def _routes(router: APIRouter, c: Console) -> None:
             f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=_HEADERS
         )
 
+    @router.post("/deployments/{name:path}/{verb}")
+    async def suspend_or_resume(request: Request, name: str, verb: str) -> Response:
+        s, fields = await c.post_session(request)
+        if verb not in ("suspend", "resume"):
+            return c.html(
+                "error.html", status=404, session=s,
+                message="a deployment's actions here are scale, suspend and resume",
+            )  # fmt: skip
+        path = f"/admin/v1/deployments/{quote(name, safe='')}"
+        try:
+            if fields.get("confirmed") != "yes":
+                # Suspending stops serving: the operator confirms on a page of its own.
+                d = await c.calls.get(path)
+                return c.html("confirm_suspend.html", session=s, d=d, verb=verb)
+            await c.calls.post(f"{path}/{verb}")
+        except AdminCallError as exc:
+            return c.html("error.html", status=exc.status, session=s, message=exc.message)
+        log.info("console_deployment_action", deployment=name, action=verb)
+        return RedirectResponse(
+            f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=_HEADERS
+        )
+
     # --- keys and usage ------------------------------------------------------------------
 
     async def keys_context() -> dict[str, Any]:
@@ -375,10 +483,47 @@ def _routes(router: APIRouter, c: Console) -> None:
             "keys": keys,
             "usage": usage,
             "limit": PAGE_LIMIT,
+            "csv_max_rows": CSV_MAX_ROWS,
             "now": _now().strftime("%H:%M:%S UTC"),
         }
 
     _page_and_live(router, c, "keys", keys_context)
+
+    async def daily_usage(days: int, limit: int) -> tuple[list[dict[str, Any]], bool, date]:
+        today = _now().date()
+        since = datetime.combine(today - timedelta(days=days - 1), datetime.min.time(), UTC)
+        reply = await c.calls.get(
+            "/admin/v1/usage", group="day", since=since.isoformat(), limit=limit
+        )
+        return list(reply.get("items") or []), bool(reply.get("truncated")), today
+
+    @router.get("/usage.json")
+    async def usage_chart(request: Request) -> Response:
+        c.fragment_session(request)
+        rows, truncated, today = await daily_usage(_CHART_DAYS, CSV_MAX_ROWS)
+        chart = usage_view.daily_chart(rows, today=today, days=_CHART_DAYS)
+        return _charts_json([chart], truncated=truncated)
+
+    @router.get("/usage.csv")
+    async def usage_csv(request: Request, days: int = _CSV_DAYS) -> Response:
+        c.page_session(request)
+        if not 1 <= days <= _CSV_MAX_DAYS:
+            return c.html(
+                "error.html", status=422,
+                message=f"days: a whole number from 1 to {_CSV_MAX_DAYS}",
+            )  # fmt: skip
+        rows, truncated, today = await daily_usage(days, CSV_MAX_ROWS)
+        headers = {
+            "Content-Disposition": f'attachment; filename="llmgw-usage-{today.isoformat()}.csv"',
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+        }
+        if truncated:
+            # More rows matched than one export holds: the operator narrows ``days``.
+            headers["X-Llmgw-Truncated"] = f"more than {CSV_MAX_ROWS} rows; ask for fewer days"
+        return Response(
+            usage_view.usage_csv(rows), media_type="text/csv; charset=utf-8", headers=headers
+        )
 
     @router.post("/keys")
     async def create_key(request: Request) -> Response:
