@@ -7,6 +7,7 @@ caught by the verification and the model falls back to the replica's /tokenize.
 
 from __future__ import annotations
 
+import array
 import json
 import shutil
 import time
@@ -20,10 +21,11 @@ from gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from prometheus_client import CollectorRegistry
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.agentapi.kv_intake import KvIntake
+from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
 from llmgw.controlplane.gateway.router import HashParams
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.kv.hf_tokenizer import HfTokenizer, TokenizerFiles
+from llmgw.protocol.kvstream import KvDeltaRequest
 from llmgw.simengine.hf_tokens import read_tokenizer_dir, tiny_model_dir
 from tests.simengine.sim_process import HASH_SEED, SimProcess, start_sim, stop_sim
 
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.timeout(90)
 
 KEYS = {"s1": Key("k1", "plain")}
 PLAIN = {"Authorization": "Bearer llmgw_k1_s1"}
+LORA = ("demo-sql", "/models/demo-sql-lora")  # config/demo.yaml's adapter
 PARAMS = HashParams(seed=HASH_SEED, block_size=16, extra_key_format="tagged")
 
 # A template exercising what HF templates use: the special tokens' strings, tools through
@@ -65,7 +68,8 @@ def _rich_dir(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[SimProcess, Path]]]:
     tmp = tmp_path_factory.mktemp("sims")
-    dirs = {"tiny": tiny_model_dir(), "rich": _rich_dir(tmp)}
+    # Two replicas of the tiny model that load the demo's adapter, one of another template.
+    dirs = {"tiny": tiny_model_dir(), "tiny2": tiny_model_dir(), "rich": _rich_dir(tmp)}
     started: dict[str, tuple[SimProcess, Path]] = {}
     try:
         for name, directory in dirs.items():
@@ -73,6 +77,7 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[S
                 tmp,
                 *("--served-model-name", "m", "--time-scale", "0.05"),
                 *("--tokenizer", str(directory)),
+                *(("--lora-modules", f"{LORA[0]}={LORA[1]}") if name != "rich" else ()),
                 env={"SIMENGINE_API_KEY": SIM_KEY},
             )
             started[name] = (sim, directory)
@@ -146,6 +151,8 @@ def test_local_tokens_equal_the_engines_tokenize(
 ) -> None:
     tokenizers = {}
     for name, (sim, directory) in sims.items():
+        if name == "tiny2":
+            continue
         local = tokenizers[name] = HfTokenizer(read_tokenizer_dir(directory))
         assert local.segment_cached, name
         for body in CHATS:
@@ -263,3 +270,72 @@ def test_local_tokenizing_routes_and_a_planted_template_falls_back(
         _chat(gw, 1)
         assert _sample(gw, "llmgw_prefix_tokenize_seconds_count", {"model": "m"}) == 1
         assert _sample(gw, "llmgw_prefix_tokenize_local_seconds_count", {"model": "m"}) == 1
+
+
+def _sync_index(intake: KvIntake, sims: list[SimProcess], versions: dict[str, int]) -> None:
+    """Each engine's blocks, as the agent's full copy of its mirror would carry them."""
+    placed = {f"s{i}": PlacedShard("node", "m", 16) for i in range(len(sims))}
+    for i, sim in enumerate(sims):
+        shard = f"s{i}"
+        held = httpx.get(f"{sim.base_url}/debug/kv_blocks", timeout=5).json()
+        versions[shard] = versions.get(shard, 0) + 1
+        request = KvDeltaRequest(
+            shard_id=shard,
+            base_version=0,
+            new_version=versions[shard],
+            reset=True,
+            block_size=16,
+            added={"GPU": array.array("Q", [b["hash"] for b in held["blocks"]])},
+        )
+        assert intake.apply("node", request, placed) == "ack"
+
+
+def _lora_chat(url: str, model: str, question: str, headers: Mapping[str, str]) -> int:
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": model,
+            "max_tokens": 1,
+            "messages": [
+                {"role": "system", "content": "You write SQL. " + SYSTEM},
+                {"role": "user", "content": question},
+            ],
+        },
+        headers=dict(headers),
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_lora_prompts_hash_with_their_adapter(sims: dict[str, tuple[SimProcess, Path]]) -> None:
+    replicas = [sims["tiny"][0], sims["tiny2"][0]]
+    eps = tuple(
+        Endpoint(f"r{i}", f"s{i}", s.base_url, SIM_KEY, "m", PARAMS, {LORA[0]: LORA[1]})
+        for i, s in enumerate(replicas)
+    )
+    table = RouteTable(
+        {"m": ModelRoute("m", "m", None, eps), LORA[0]: ModelRoute(LORA[0], "m", LORA, eps)},
+        1.0,
+    )
+    intake = KvIntake()
+    versions: dict[str, int] = {}
+    # The adapter's prompt is computed on the second replica only, behind the gateway's back.
+    engine = {"Authorization": f"Bearer {SIM_KEY}"}
+    _lora_chat(replicas[1].base_url, LORA[0], "warm up", engine)
+    _sync_index(intake, replicas, versions)
+    files = _Files({"m": read_tokenizer_dir(tiny_model_dir())})
+    settings = GatewaySettings(tokenize_timeout_s=2.0, affinity_tokens=0)
+    with serve_gateway(table, KEYS, settings=settings, intake=intake, tokenizer_files=files) as gw:
+        _wait(lambda: gw.gateway.local.mode("m") == "local", "the files load")
+        hits = {"model": LORA[0], "method": "precise", "outcome": "hit"}
+        for i in range(3):
+            # Repeated adapter requests sharing the prompt: precise hits where it is held.
+            assert _lora_chat(gw.url, LORA[0], f"query {i}", PLAIN) >= 16 * 10
+        assert _sample(gw, "llmgw_prefix_decisions_total", hits) == 3
+        assert _sample(gw, "llmgw_prefix_tokenize_local_seconds_count", {"model": LORA[0]}) == 3
+        # The base model's request for the same text hashes without the adapter: it scores
+        # none of the adapter's blocks (a miss), and the engine confirms nothing is cached.
+        misses = {"model": "m", "method": "precise", "outcome": "miss"}
+        assert _lora_chat(gw.url, "m", "query 0", PLAIN) == 0
+        assert _sample(gw, "llmgw_prefix_decisions_total", misses) == 1
