@@ -124,6 +124,14 @@ class GatewaySettings(Section):
         description="Budget of one local tokenizing; past it the request falls back to the "
         "replica's /tokenize, then to the approximate tree.",
     )
+    local_tokenize_inline_chars: int = Field(
+        default=2048,
+        ge=0,
+        le=1_000_000,
+        description="A prompt whose uncached pieces (after the shared ones the tokenizer has "
+        "cached, such as a system prompt) come to at most this many characters is encoded on "
+        "the event loop (well under a millisecond); a longer one on the tokenizing threads.",
+    )
     local_tokenize_max_chars: int = Field(
         default=1_000_000,
         ge=1000,

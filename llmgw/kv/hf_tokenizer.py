@@ -367,6 +367,18 @@ class HfTokenizer:
             ids.extend(self._affixes[1])
         return ids
 
+    def uncached_chars(self, text: str) -> int:
+        """How many of the text's characters ``encode`` would encode rather than read from the
+        segment cache (all of them for a tokenizer that cannot cache pieces)."""
+        if self._split is None:
+            return len(text)
+        items = self.segment_cache._items
+        return sum(
+            len(piece)
+            for piece in self._split.split(text)
+            if len(piece) < _SEGMENT_MIN_CHARS or piece not in items
+        )
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
@@ -453,27 +465,35 @@ class HfTokenizer:
         )
         return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def request_ids(self, body: Mapping[str, Any], *, chat: bool) -> list[int] | None:
-        """The prompt ids of an OpenAI request body (chat or completions) as the engine
-        tokenizes it; None for a body this cannot tokenize (a completion whose prompt is not
-        one string). Raises ``SpecError`` where the engine would refuse the request."""
+    def render_request(self, body: Mapping[str, Any], *, chat: bool) -> tuple[str, bool] | None:
+        """(the text the engine tokenizes for an OpenAI request body, whether with special
+        tokens); None for a body this cannot tokenize (a completion whose prompt is not one
+        string). Raises ``SpecError`` where the engine would refuse the request."""
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return None
             kwargs = body.get("chat_template_kwargs")
             tools = body.get("tools")
-            return self.chat_ids(
+            text = self.render_chat(
                 messages,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 tools=tools if isinstance(tools, list) else None,
                 chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
-                add_special_tokens=bool(body.get("add_special_tokens", False)),
             )
+            return text, bool(body.get("add_special_tokens", False))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str):
             return None
-        return self.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        return prompt, bool(body.get("add_special_tokens", True))
+
+    def request_ids(self, body: Mapping[str, Any], *, chat: bool) -> list[int] | None:
+        """The prompt ids of an OpenAI request body as the engine tokenizes it (see
+        ``render_request``)."""
+        rendered = self.render_request(body, chat=chat)
+        if rendered is None:
+            return None
+        return self.encode(rendered[0], add_special_tokens=rendered[1])

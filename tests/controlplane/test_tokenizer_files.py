@@ -60,6 +60,9 @@ async def test_tokenizer_files_reach_every_gateway_and_outlive_an_outage(
         node = await cp.node(await make_token(cp.sessions), "n1")
         other = await cp.node(await make_token(cp.sessions), "n2")
         shard = await place_shard(cp.sessions, node.id, model="tok-model")
+        # Both nodes have synced (a node's shard is ready only after its agent synced).
+        await cp.sync(node, seq=1)
+        await cp.sync(other, seq=1)
         spec = {"profile": {"engine": "sim", "args": ["--tokenizer", str(model_dir)]}}
         gateways = [
             TokenizerFilesCache(cp.sessions, libpq_url=libpq_url(db_url), refresh_s=60.0)

@@ -180,6 +180,7 @@ class Gateway(Generic[K]):
             max_chars=s.local_tokenize_max_chars,
             verify_first=s.tokenizer_verify_first,
             verify_every=s.tokenizer_verify_every,
+            inline_chars=s.local_tokenize_inline_chars,
         )
         self._random = random.Random()
         self.created = int(time.time())
