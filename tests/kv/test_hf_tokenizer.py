@@ -23,7 +23,7 @@ TINY = read_tokenizer_dir(tiny_model_dir())
 
 
 def test_a_set_of_files_is_named_capped_and_content_addressed() -> None:
-    with pytest.raises(TokenizerFilesError, match="tokenizer.json"):
+    with pytest.raises(TokenizerFilesError, match=r"tokenizer\.json"):
         TokenizerFiles({"tokenizer_config.json": b"{}"})
     with pytest.raises(TokenizerFilesError, match="not among"):
         TokenizerFiles({"tokenizer.json": b"{}", "model.safetensors": b""})
