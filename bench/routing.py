@@ -538,11 +538,14 @@ def _start_fleet(stack: Stack, args: argparse.Namespace, policy: str) -> list[Co
         LLMGW_LOG__JSON="true",
         LLMGW_LOG__LEVEL="warning",
     )
+    agent_port = free_port()
+    # Where the sweep samples how far the gateways' KV index trails the engines.
+    args.agent_metrics_url = f"http://127.0.0.1:{agent_port}/metrics"
     stack.spawn(
         "agent",
         [sys.executable, "-m", "llmgw", "agent", "--controlplane-url", cp.url,
          "--state-dir", str(stack.tmp / "agent-state"), "--node-name", "bench-node",
-         "--listen-port", str(free_port()), "--sim-gpus", str(args.replicas)],
+         "--listen-port", str(agent_port), "--sim-gpus", str(args.replicas)],
         agent_env,
     )  # fmt: skip
     wait_for(
@@ -1001,6 +1004,49 @@ def _quantiles(
     return out
 
 
+class _LagSampler:
+    """The agent's ``llmgw_agent_kv_relay_lag_seconds`` (the oldest change a control plane has
+    not acknowledged), sampled every 0.2 s on a thread while a replay runs: the index's lag."""
+
+    _LAG = re.compile(r"^llmgw_agent_kv_relay_lag_seconds\{[^}]*\} ([0-9.e+-]+)$", re.M)
+
+    def __init__(self, url: str | None) -> None:
+        import threading
+
+        self._url = url
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _LagSampler:
+        if self._url:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        assert self._url is not None
+        with httpx.Client(timeout=1) as client:
+            while not self._stop.wait(0.2):
+                with contextlib.suppress(httpx.HTTPError):
+                    text = client.get(self._url).text
+                    lags = [float(v) for v in self._LAG.findall(text)]
+                    if lags:
+                        self.samples.append(max(lags))
+
+    def summary(self) -> dict[str, float | None]:
+        if not self.samples:
+            return {"max_s": None, "mean_s": None}
+        return {
+            "max_s": round(max(self.samples), 3),
+            "mean_s": round(statistics.mean(self.samples), 3),
+        }
+
+
 def _local_tokenize_bench(args: argparse.Namespace) -> dict[str, Any]:
     """In process, the gateway's local tokenizing of a ~4k-token chat (what the target is
     set on): the same HfTokenizer and request path, each request a new question after the
@@ -1080,11 +1126,13 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                             if workload == "shared_prefix"
                             else _replay_multi_turn
                         )
-                        replay = asyncio.run(replay_fn(urls, key, ns, tag, seed))
+                        with _LagSampler(getattr(args, "agent_metrics_url", None)) as lag:
+                            replay = asyncio.run(replay_fn(urls, key, ns, tag, seed))
                         stack.check()
                         m = _measure(replay, ns)
                         after, hist1 = _counters(cps), _buckets(cps)
                         run = {
+                            "index_lag": lag.summary(),
                             "hit_rate": m["hit_rate"],
                             "ttft_p50_ms": m["ttft_ms"].get("p50"),
                             "ttft_p90_ms": m["ttft_ms"].get("p90"),
