@@ -3,7 +3,8 @@
 A request reads top to bottom, one step per module: path -> key (``keys``, from the header,
 before any body byte is read) -> body (capped, ``llmgw.bodies``) -> model (allow-list, route
 table) -> limits (``limits``: reserve) -> router (``routing_inputs`` assembles what the pure
-``router.decide`` weighs; tokenizing through an engine is routing's one I/O) -> upstream
+``router.decide`` weighs; tokens from the model's own files in process, ``local_tokens``,
+verified on a sample against an engine's /tokenize, which is also the fallback) -> upstream
 (``upstream``: the replica's agent proxy, pooled aiohttp, the retry rule) -> answer, passed
 through (``relay``) -> settle. This module parses, admits, routes and relays: it orchestrates
 the steps and holds none of them.
