@@ -342,27 +342,25 @@ class HfTokenizer:
         ids: list[int] = []
         if add_special_tokens and self._affixes is not None:
             ids.extend(self._affixes[0])
-        short: list[tuple[int, str]] = []  # (place in out, text) of pieces encoded in one batch
-        out: list[tuple[int, ...] | None] = []
+        # Short pieces between long ones are encoded together, one call per run of them: the
+        # concatenation of pieces split at special tokens encodes as the pieces do.
+        pending: list[str] = []
         cache = self.segment_cache
+        encode = self._tok.encode
         for piece in self._split.split(text):
-            if not piece:
+            if len(piece) < _SEGMENT_MIN_CHARS:
+                pending.append(piece)
                 continue
-            if len(piece) >= _SEGMENT_MIN_CHARS:
-                got = cache.get(piece)
-                if got is None:
-                    got = tuple(self._tok.encode(piece, add_special_tokens=False).ids)
-                    cache.put(piece, got)
-                out.append(got)
-            else:
-                short.append((len(out), piece))
-                out.append(None)
-        if short:
-            batch = self._tok.encode_batch([p for _, p in short], add_special_tokens=False)
-            for (place, _), enc in zip(short, batch, strict=True):
-                out[place] = tuple(enc.ids)
-        for part in out:
-            ids.extend(part or ())
+            if pending:
+                ids.extend(encode("".join(pending), add_special_tokens=False).ids)
+                pending.clear()
+            got = cache.get(piece)
+            if got is None:
+                got = tuple(encode(piece, add_special_tokens=False).ids)
+                cache.put(piece, got)
+            ids.extend(got)
+        if pending:
+            ids.extend(encode("".join(pending), add_special_tokens=False).ids)
         if add_special_tokens and self._affixes is not None:
             ids.extend(self._affixes[1])
         return ids
