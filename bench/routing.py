@@ -93,7 +93,11 @@ per run from the gateways' histograms (bucket bounds) for local and remote, and 
 timed in process on a ~4k-token chat (target: p99 under 2 ms). A PNG (``--sweep-png``) charts
 TTFT p90 and hit rate against offered rate per policy.
 
-    .venv/bin/python bench/routing.py --sweep --requests 30 --conversations 8 --turns 4
+    # docs/bench/routing-sweep.{json,png}: 4 replicas x 128 blocks, 2 gateways, working set
+    # 1.75x capacity, --time-scale 1, one repeat; 634 s on the shared 2-core machine
+    .venv/bin/python bench/routing.py --sweep --replicas 4 --num-blocks 128 --groups 8 \
+        --users 4 --requests 30 --conversations 8 --turns 4 --turn-tokens 300 --think-s 0.5 \
+        --sweep-png docs/bench/routing-sweep.png > docs/bench/routing-sweep.json
 """
 
 from __future__ import annotations
