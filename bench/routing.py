@@ -75,6 +75,29 @@ takes wall time, half as large against the modelled time at scale 2: prefer
 
 Prints one JSON object. The router's targets: precise >= 90% of the oracle's hit rate;
 precise TTFT p90 >= 5x better than random and >= 1.5x better than approximate.
+
+Tokenizing. The simulators run ``--tokenizer tiny`` (``--sim-tokenizer``: the packaged tiny
+model's tokenizer.json and chat template), so their agent ships those files and the gateways
+tokenize prompts locally (policy ``precise``); ``precise_remote`` is the same policy with
+``gateway.local_tokenize`` off, every prompt tokenized through a replica's ``/tokenize``.
+Prompt sizes are given in that tokenizer's tokens (the words are scaled to it).
+
+The load sweep (``--sweep [FACTOR ...]``, default 0.25 0.5 1 1.5 2): every policy at each
+multiple of ``--rate`` and ``--chat-rate``, both workloads, the same trace per rate and repeat
+for every policy; per rate the oracle's hit rate and the clairvoyant replay's TTFT p90 on the
+precise run's trace, and the targets judged per rate: precise >= 0.9 of the oracle's hit rate,
+precise TTFT p90 <= 1.25x the clairvoyant replay's, never worse than approximate or
+least-loaded beyond the run-to-run spread (from ``--repeats``, else 15 %), and at the heaviest
+rate precise sustains (no failed request) >= 5x better p90 than random. Tokenizing p50/p99:
+per run from the gateways' histograms (bucket bounds) for local and remote, and the local path
+timed in process on a ~4k-token chat (target: p99 under 2 ms). A PNG (``--sweep-png``) charts
+TTFT p90 and hit rate against offered rate per policy.
+
+    # docs/bench/routing-sweep.{json,png}: 4 replicas x 128 blocks, 2 gateways, working set
+    # 1.75x capacity, --time-scale 1, one repeat; 634 s on the shared 2-core machine
+    .venv/bin/python bench/routing.py --sweep --replicas 4 --num-blocks 128 --groups 8 \
+        --users 4 --requests 30 --conversations 8 --turns 4 --turn-tokens 300 --think-s 0.5 \
+        --sweep-png docs/bench/routing-sweep.png > docs/bench/routing-sweep.json
 """
 
 from __future__ import annotations
@@ -115,7 +138,11 @@ from _harness import (
 __all__ = ["main", "oracle_hit_rate"]
 
 MODEL = "sim"
-POLICIES = ("random", "round_robin", "least_loaded", "approximate", "precise")
+POLICIES = ("random", "round_robin", "least_loaded", "approximate", "precise", "precise_remote")
+# A policy's gateway settings: "precise" tokenizes in the gateway from the model's tokenizer
+# files the agent shipped (the default), "precise_remote" through a replica's /tokenize.
+_POLICY_ENV = {"precise_remote": {"LLMGW_GATEWAY__ROUTING_POLICY": "precise",
+                                  "LLMGW_GATEWAY__LOCAL_TOKENIZE": "false"}}  # fmt: skip
 WORKLOADS = ("shared_prefix", "multi_turn")
 TARGET_ORACLE_SHARE = 0.90
 SIM_STEP_OVERHEAD_MS = 2.0  # `llmgw simengine --step-overhead-ms`, left at its default
@@ -131,6 +158,11 @@ def _words(rng: random.Random, n: int) -> str:
     return "".join(
         " " + "".join(rng.choice(_ALPHA) for _ in range(rng.randint(2, 3))) for _ in range(n)
     )
+
+
+def _text(rng: random.Random, tokens: int, args: argparse.Namespace) -> str:
+    """About ``tokens`` tokens of words, in the simulator's tokenizer."""
+    return _words(rng, max(1, round(tokens / args.tokens_per_word)))
 
 
 # --- the trace ------------------------------------------------------------------------
@@ -210,9 +242,10 @@ async def _replay_shared_prefix(
     rng = random.Random(seed)
     # Group system prompts and user questions are the same across policies (same seed); the
     # tag alone differs, so each run starts from caches that hold nothing it can use.
-    systems = [_words(rng, args.system_tokens) for _ in range(args.groups)]
+    systems = [_text(rng, args.system_tokens, args) for _ in range(args.groups)]
     questions = [
-        [_words(rng, args.question_tokens) for _ in range(args.users)] for _ in range(args.groups)
+        [_text(rng, args.question_tokens, args) for _ in range(args.users)]
+        for _ in range(args.groups)
     ]
     plan: list[tuple[float, int, int]] = []
     t = 0.0
@@ -250,9 +283,9 @@ async def _replay_multi_turn(
     urls: list[str], key: str, args: argparse.Namespace, tag: str, seed: int
 ) -> Replay:
     rng = random.Random(seed)
-    system = _words(rng, args.chat_system_tokens)
+    system = _text(rng, args.chat_system_tokens, args)
     turns = [
-        [_words(rng, args.turn_tokens) for _ in range(args.turns)]
+        [_text(rng, args.turn_tokens, args) for _ in range(args.turns)]
         for _ in range(args.conversations)
     ]
     starts: list[float] = []
@@ -294,7 +327,23 @@ async def _replay_multi_turn(
 # --- the oracle -----------------------------------------------------------------------
 
 
+def _hf_tokenizer(name: str) -> Any:
+    """The HfTokenizer of the simulator's --tokenizer (``tiny``: the packaged tiny model)."""
+    from llmgw.kv.hf_tokenizer import HfTokenizer
+    from llmgw.simengine.hf_tokens import read_tokenizer_dir, tiny_model_dir
+
+    directory = tiny_model_dir() if name == "tiny" else Path(name)
+    return HfTokenizer(read_tokenizer_dir(directory))
+
+
 def _prompt_tokens(messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's ids as the simulator tokenizes it (its --tokenizer, or the builtin)."""
+    name = _TOKENIZER.get("name", "builtin")
+    if name != "builtin":
+        hf = _TOKENIZER.get("hf")
+        if hf is None:
+            hf = _TOKENIZER["hf"] = _hf_tokenizer(name)
+        return list(hf.chat_ids(messages))
     from llmgw.simengine.chat_template import render_chat
     from llmgw.simengine.tokenizer import Tokenizer
 
@@ -303,6 +352,16 @@ def _prompt_tokens(messages: list[dict[str, str]]) -> list[int]:
 
 
 _TOKENIZER: dict[str, Any] = {}
+
+
+def _tokens_per_word(name: str) -> float:
+    """How many tokens one of ``_words``' words costs the simulator's tokenizer: the builtin
+    keeps each as one; a BPE splits them, so word counts are scaled to keep token sizes."""
+    if name == "builtin":
+        return 1.0
+    hf = _hf_tokenizer(name)
+    text = _words(random.Random(0), 2000)
+    return len(hf.encode(text, add_special_tokens=False)) / 2000
 
 
 def _block_chain(tokens: list[int], block_size: int) -> list[int]:
@@ -444,12 +503,17 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
         "--max-num-batched-tokens", str(args.max_batched_tokens),
         "--prefill-ms-per-token", str(args.prefill_ms_per_token),
         "--log-level", "warning",
+        # The model's tokenizer files (the packaged tiny model's): the agent ships them and
+        # the gateways tokenize locally with them, as with a vLLM model directory.
+        *(("--tokenizer", args.sim_tokenizer) if args.sim_tokenizer != "builtin" else ()),
     ]  # fmt: skip
 
 
 def _gateway_env(args: argparse.Namespace, policy: str) -> dict[str, str]:
     env = dict(kv.split("=", 1) for kv in args.gateway_env)
     env["LLMGW_GATEWAY__ROUTING_POLICY"] = policy
+    env["LLMGW_GATEWAY__LOCAL_TOKENIZE"] = "true"
+    env.update(_POLICY_ENV.get(policy, {}))
     return env
 
 
@@ -478,11 +542,14 @@ def _start_fleet(stack: Stack, args: argparse.Namespace, policy: str) -> list[Co
         LLMGW_LOG__JSON="true",
         LLMGW_LOG__LEVEL="warning",
     )
+    agent_port = free_port()
+    # Where the sweep samples how far the gateways' KV index trails the engines.
+    args.agent_metrics_url = f"http://127.0.0.1:{agent_port}/metrics"
     stack.spawn(
         "agent",
         [sys.executable, "-m", "llmgw", "agent", "--controlplane-url", cp.url,
          "--state-dir", str(stack.tmp / "agent-state"), "--node-name", "bench-node",
-         "--listen-port", str(free_port()), "--sim-gpus", str(args.replicas)],
+         "--listen-port", str(agent_port), "--sim-gpus", str(args.replicas)],
         agent_env,
     )  # fmt: skip
     wait_for(
@@ -585,7 +652,14 @@ def _prefill_s(tokens: int, args: argparse.Namespace) -> float:
 
 
 def _replayed(
-    sent: list[Sent], prompts: list[list[int]], args: argparse.Namespace
+    sent: list[Sent],
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    assigns: tuple[Literal["clairvoyant", "router", "random"], ...] = (
+        "clairvoyant",
+        "router",
+        "random",
+    ),
 ) -> dict[str, Any]:
     """The run's trace through the simulator's own scheduler offline (engine_replay.py): each
     request at its soonest first token with the engines' exact state (clairvoyant), by the
@@ -619,11 +693,6 @@ def _replayed(
         **{k[len(prefix) :].lower(): v for k, v in _gateway_env(args, "precise").items()}
     )
     out: dict[str, Any] = {}
-    assigns: tuple[Literal["clairvoyant", "router", "random"], ...] = (
-        "clairvoyant",
-        "router",
-        "random",
-    )
     for assign in assigns:
         r = replay(
             arrivals,
@@ -639,7 +708,15 @@ def _replayed(
     return out
 
 
-def _oracle(replay: Replay, args: argparse.Namespace) -> dict[str, Any]:
+def _oracle(
+    replay: Replay,
+    args: argparse.Namespace,
+    assigns: tuple[Literal["clairvoyant", "router", "random"], ...] = (
+        "clairvoyant",
+        "router",
+        "random",
+    ),
+) -> dict[str, Any]:
     """The oracle on this run's prompts: untimed, and timed by this run's prefill times."""
     sent = sorted(replay.sent, key=lambda s: s.at)
     prompts = [_prompt_tokens(s.messages) for s in sent]
@@ -662,7 +739,7 @@ def _oracle(replay: Replay, args: argparse.Namespace) -> dict[str, Any]:
         and s.result.usage is not None
         and int(s.result.usage["prompt_tokens"]) != len(p)
     )
-    replayed = _replayed(sent, prompts, args)
+    replayed = _replayed(sent, prompts, args, assigns)
     return {
         **replayed,
         "untimed": untimed["oracle"],
@@ -677,13 +754,20 @@ def _oracle(replay: Replay, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _system_tokens(args: argparse.Namespace, capacity_tokens: int) -> int:
+    """The words of each group's system prompt, in tokens, so that the prompts as sent (the
+    run's tag and the chat template around them included) make --working-set x capacity."""
+    wrapper = _prompt_tokens([{"role": "system", "content": f"run {'0' * 8} group {args.groups}:"}])
+    return max(1, int(args.working_set * capacity_tokens / args.groups) - len(wrapper))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-"))
     stack = Stack(tmp)
     capacity_tokens = args.replicas * args.num_blocks * args.block_size
     if args.system_tokens <= 0:
         # Size the shared prompts so their working set is --working-set x the fleet's capacity.
-        args.system_tokens = int(args.working_set * capacity_tokens / args.groups)
+        args.system_tokens = _system_tokens(args, capacity_tokens)
     results: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
     t_start = time.monotonic()
     try:
@@ -884,6 +968,395 @@ def _report(
     }
 
 
+# --- the load sweep ---------------------------------------------------------------------
+
+# Run-to-run spread of one run's TTFT p90 on this machine when --repeats gives no measure
+# of it (the module docstring's ~15 %).
+_DEFAULT_SPREAD = 0.15
+TARGET_OVER_CLAIRVOYANT = 1.25
+_TOKENIZE_HISTOGRAMS = {
+    "local": "llmgw_prefix_tokenize_local_seconds",
+    "remote": "llmgw_prefix_tokenize_seconds",
+}
+_BUCKET = re.compile(r'^(\w+)_bucket\{([^}]*)le="([^"]+)"[^}]*\} ([0-9.e+-]+)$', re.M)
+
+
+def _buckets(cps: list[ControlPlane]) -> dict[str, dict[float, float]]:
+    """Cumulative bucket counts of the tokenizing histograms, summed over the gateways."""
+    out: dict[str, dict[float, float]] = {k: {} for k in _TOKENIZE_HISTOGRAMS}
+    names = {v: k for k, v in _TOKENIZE_HISTOGRAMS.items()}
+    for cp in cps:
+        for m in _BUCKET.finditer(cp.metrics_text()):
+            kind = names.get(m.group(1))
+            if kind is None:
+                continue
+            le = math.inf if m.group(3) == "+Inf" else float(m.group(3))
+            out[kind][le] = out[kind].get(le, 0.0) + float(m.group(4))
+    return out
+
+
+def _quantiles(
+    before: dict[float, float], after: dict[float, float]
+) -> dict[str, float | int | None]:
+    """p50/p99 (the bucket's upper bound, in ms) and the count of one run's observations."""
+    delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = delta[-1][1] if delta else 0.0
+    out: dict[str, float | int | None] = {"count": int(total)}
+    for name, q in (("p50_ms_at_most", 0.5), ("p99_ms_at_most", 0.99)):
+        le = next((le for le, n in delta if total and n >= q * total), None)
+        out[name] = None if le is None or le == math.inf else round(le * 1e3, 3)
+    return out
+
+
+class _LagSampler:
+    """The agent's ``llmgw_agent_kv_relay_lag_seconds`` (the oldest change a control plane has
+    not acknowledged), sampled every 0.2 s on a thread while a replay runs: the index's lag."""
+
+    _LAG = re.compile(r"^llmgw_agent_kv_relay_lag_seconds\{[^}]*\} ([0-9.e+-]+)$", re.M)
+
+    def __init__(self, url: str | None) -> None:
+        import threading
+
+        self._url = url
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _LagSampler:
+        if self._url:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        assert self._url is not None
+        with httpx.Client(timeout=1) as client:
+            while not self._stop.wait(0.2):
+                with contextlib.suppress(httpx.HTTPError):
+                    text = client.get(self._url).text
+                    lags = [float(v) for v in self._LAG.findall(text)]
+                    if lags:
+                        self.samples.append(max(lags))
+
+    def summary(self) -> dict[str, float | None]:
+        if not self.samples:
+            return {"max_s": None, "mean_s": None}
+        return {
+            "max_s": round(max(self.samples), 3),
+            "mean_s": round(statistics.mean(self.samples), 3),
+        }
+
+
+def _local_tokenize_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """In process, the gateway's local tokenizing of a ~4k-token chat (what the target is
+    set on): the same HfTokenizer and request path, each request a new question after the
+    same system prompt (its piece cached after the first), and the whole text uncached."""
+    if args.sim_tokenizer == "builtin":
+        return {}
+    hf = _hf_tokenizer(args.sim_tokenizer)
+    rng = random.Random(7)
+    system = _text(rng, 3900, args)
+    bodies = [
+        {
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": _text(rng, 60, args)},
+            ]
+        }
+        for _ in range(300)
+    ]
+    hf.request_ids(bodies[0], chat=True)
+    times = []
+    for body in bodies:
+        t0 = time.perf_counter()
+        ids = hf.request_ids(body, chat=True)
+        times.append(time.perf_counter() - t0)
+    text = hf.render_chat(bodies[-1]["messages"])
+    whole = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        hf._tok.encode(text, add_special_tokens=False)
+        whole.append(time.perf_counter() - t0)
+    ms = summarize(times, digits=3, scale=1e3)
+    return {
+        "chat_tokens": len(ids or ()),
+        "p50_ms": ms.get("p50"),
+        "p99_ms": ms.get("p99"),
+        "uncached_p50_ms": summarize(whole, digits=3, scale=1e3).get("p50"),
+        "target_p99_ms": 2.0,
+        "meets": (ms.get("p99") or math.inf) < 2.0,
+    }
+
+
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Every policy at ``--sweep`` multiples of ``--rate`` / ``--chat-rate``, both workloads;
+    the oracle and the clairvoyant replay on each rate's precise trace."""
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-sweep-"))
+    stack = Stack(tmp)
+    capacity_tokens = args.replicas * args.num_blocks * args.block_size
+    if args.system_tokens <= 0:
+        args.system_tokens = _system_tokens(args, capacity_tokens)
+    factors = list(args.sweep)
+    # per[workload][factor index][policy] -> list of runs
+    per: dict[str, list[dict[str, list[dict[str, Any]]]]] = {
+        w: [{} for _ in factors] for w in args.workloads
+    }
+    t_start = time.monotonic()
+    try:
+        cps = _start_fleet(stack, args, args.policies[0])
+        key = cps[0].create_key()
+        urls = [cp.public_url + "/v1/chat/completions" for cp in cps]
+        for i, policy in enumerate(args.policies):
+            if i > 0:
+                for cp in cps:
+                    cp.restart(**_gateway_env(args, policy))
+            _wait_serving(cps, key, stack)
+            for repeat in range(args.repeats):
+                for f, factor in enumerate(factors):
+                    for w, workload in enumerate(args.workloads):
+                        ns = argparse.Namespace(**vars(args))
+                        ns.rate = args.rate * factor
+                        ns.chat_rate = args.chat_rate * factor
+                        # The same trace for every policy at this rate and repeat.
+                        seed = args.seed + w + 100 * f + 1000 * repeat
+                        tag = uuid.uuid4().hex[:8]
+                        before, hist0 = _counters(cps), _buckets(cps)
+                        replay_fn = (
+                            _replay_shared_prefix
+                            if workload == "shared_prefix"
+                            else _replay_multi_turn
+                        )
+                        with _LagSampler(getattr(args, "agent_metrics_url", None)) as lag:
+                            replay = asyncio.run(replay_fn(urls, key, ns, tag, seed))
+                        stack.check()
+                        m = _measure(replay, ns)
+                        after, hist1 = _counters(cps), _buckets(cps)
+                        run = {
+                            "index_lag": lag.summary(),
+                            "hit_rate": m["hit_rate"],
+                            "ttft_p50_ms": m["ttft_ms"].get("p50"),
+                            "ttft_p90_ms": m["ttft_ms"].get("p90"),
+                            "failed": m["failed"],
+                            "requests": m["requests"],
+                            "requests_per_s": m["requests_per_s"],
+                            "wall_s": m["wall_s"],
+                            "tokenize": {
+                                k: _quantiles(hist0[k], hist1[k]) for k in _TOKENIZE_HISTOGRAMS
+                            },
+                            "tokenize_failures": _delta(before, after, "prefix_tokenize_failures:"),
+                            "decisions": _delta(before, after, "prefix_decisions:"),
+                        }
+                        if policy == "precise":
+                            o = _oracle(replay, ns, ("clairvoyant",))
+                            run["oracle_hit_rate"] = o["untimed"]
+                            run["oracle_timed_hit_rate"] = o["timed"]
+                            run["clairvoyant_ttft_p90_ms"] = o["clairvoyant_replayed_ttft_p90_ms"]
+                            run["clairvoyant_hit_rate"] = o["clairvoyant_replayed_hit_rate"]
+                            run["prompt_token_mismatches"] = o["prompt_token_mismatches"]
+                        per[workload][f].setdefault(policy, []).append(run)
+                        print(
+                            f"[sweep] {workload} x{factor} {policy} #{repeat + 1}: hit "
+                            f"{run['hit_rate']} p90 {run['ttft_p90_ms']} ms"
+                            + (
+                                f", oracle {run['oracle_hit_rate']}, clairvoyant p90 "
+                                f"{run['clairvoyant_ttft_p90_ms']} ms"
+                                if policy == "precise"
+                                else ""
+                            )
+                            + f"; {run['failed']} failed ({time.monotonic() - t_start:.0f}s)",
+                            file=sys.stderr,
+                        )
+    finally:
+        shards: list[tuple[Any, ...]] = []
+        with contextlib.suppress(Exception):
+            shards = _sql(stack.db_url, "SELECT id::text FROM shards") if stack.db_url else []
+        stack.close(failed=sys.exc_info()[0] is not None)
+        from llmgw.nodeagent.procs import kill_marked
+
+        for (shard,) in shards:
+            kill_marked(shard)
+    report = _sweep_report(args, per, factors, capacity_tokens, time.monotonic() - t_start)
+    if args.sweep_png is not None:
+        _sweep_chart(report, args.sweep_png)
+        report["chart"] = str(args.sweep_png)
+    return report
+
+
+def _delta(before: dict[str, float], after: dict[str, float], prefix: str) -> dict[str, float]:
+    return {
+        k.removeprefix(prefix): after[k] - before.get(k, 0.0)
+        for k in sorted(after)
+        if k.startswith(prefix) and after[k] - before.get(k, 0.0)
+    }
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _sweep_report(
+    args: argparse.Namespace,
+    per: dict[str, list[dict[str, list[dict[str, Any]]]]],
+    factors: list[float],
+    capacity_tokens: int,
+    wall_s: float,
+) -> dict[str, Any]:
+    workloads: dict[str, Any] = {}
+    for workload, by_rate in per.items():
+        rows = []
+        for f, policies in enumerate(by_rate):
+            offered = (args.rate if workload == "shared_prefix" else args.chat_rate) * factors[f]
+            row: dict[str, Any] = {"factor": factors[f], "offered_rate_per_s": round(offered, 3)}
+            med: dict[str, dict[str, Any]] = {}
+            for policy, runs in policies.items():
+                med[policy] = {
+                    k: _median(runs, k)
+                    for k in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "requests_per_s")
+                }
+                med[policy]["failed"] = sum(r["failed"] for r in runs)
+                med[policy]["runs"] = runs
+            p = policies.get("precise", [])
+            oracle = _median(p, "oracle_hit_rate")
+            clair = _median(p, "clairvoyant_ttft_p90_ms")
+            row["policies"] = med
+            row["oracle_hit_rate"] = oracle
+            row["clairvoyant_ttft_p90_ms"] = clair
+            row["clairvoyant_hit_rate"] = _median(p, "clairvoyant_hit_rate")
+            precise = med.get("precise", {})
+            p90s = [r["ttft_p90_ms"] for r in p if r["ttft_p90_ms"]]
+            spread = (
+                (max(p90s) - min(p90s)) / statistics.median(p90s)
+                if len(p90s) > 1
+                else _DEFAULT_SPREAD
+            )
+            row["spread"] = round(spread, 3)
+            row["spread_from"] = "repeats" if len(p90s) > 1 else "default (1 repeat)"
+            # Sustained: precise served every request (no failures).
+            row["sustained"] = bool(p) and precise.get("failed", 1) == 0
+            t: dict[str, Any] = {}
+            hit, p90 = precise.get("hit_rate"), precise.get("ttft_p90_ms")
+            if oracle and hit is not None:
+                t["precise_share_of_oracle"] = round(hit / oracle, 3)
+                t["meets_oracle"] = hit / oracle >= TARGET_ORACLE_SHARE
+            if clair and p90:
+                t["precise_over_clairvoyant"] = round(p90 / clair, 3)
+                t["meets_clairvoyant"] = p90 / clair <= TARGET_OVER_CLAIRVOYANT
+            for other in ("approximate", "least_loaded", "precise_remote"):
+                o = med.get(other, {}).get("ttft_p90_ms")
+                if o and p90:
+                    t[f"precise_over_{other}_p90"] = round(p90 / o, 3)
+                    t[f"not_worse_than_{other}"] = p90 <= o * (1 + spread)
+            r = med.get("random", {}).get("ttft_p90_ms")
+            if r and p90:
+                t["random_over_precise_p90"] = round(r / p90, 2)
+            row["targets"] = t
+            rows.append(row)
+        sustained = [r for r in rows if r["sustained"]]
+        heaviest = sustained[-1] if sustained else None
+        workloads[workload] = {
+            "rates": rows,
+            "heaviest_sustained_factor": heaviest["factor"] if heaviest else None,
+            "random_over_precise_at_heaviest": (
+                heaviest["targets"].get("random_over_precise_p90") if heaviest else None
+            ),
+            "meets_random_at_heaviest": bool(
+                heaviest
+                and (heaviest["targets"].get("random_over_precise_p90") or 0) >= TARGET_VS_RANDOM
+            ),
+        }
+    tokenize: dict[str, Any] = {"local_in_process": _local_tokenize_bench(args)}
+    for kind, policy in (("local", "precise"), ("remote", "precise_remote")):
+        seen = [
+            run["tokenize"][kind]
+            for by_rate in per.values()
+            for policies in by_rate
+            for run in policies.get(policy, [])
+            if run["tokenize"][kind]["count"]
+        ]
+        tokenize[f"{kind}_per_run_gateway_histogram"] = seen
+    return {
+        "bench": "routing_sweep",
+        "gateways": args.gateways,
+        "replicas": args.replicas,
+        "num_blocks": args.num_blocks,
+        "block_size": args.block_size,
+        "kv_capacity_tokens_total": capacity_tokens,
+        "time_scale": args.time_scale,
+        "sim_tokenizer": args.sim_tokenizer,
+        "factors": factors,
+        "repeats": args.repeats,
+        "shared_prefix": {
+            "groups": args.groups,
+            "users": args.users,
+            "system_tokens": args.system_tokens,
+            "requests": args.requests,
+            "base_rate_per_s": args.rate,
+            "working_set_over_capacity": round(
+                args.groups * args.system_tokens / capacity_tokens, 2
+            ),
+        },
+        "multi_turn": {
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "base_chat_rate_per_s": args.chat_rate,
+        },
+        "workloads": workloads,
+        "tokenize": tokenize,
+        "target_levels": {
+            "precise_share_of_oracle": TARGET_ORACLE_SHARE,
+            "precise_over_clairvoyant_p90": TARGET_OVER_CLAIRVOYANT,
+            "random_over_precise_p90_at_heaviest_sustained": TARGET_VS_RANDOM,
+            "local_tokenize_p99_ms": 2.0,
+        },
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def _sweep_chart(report: dict[str, Any], path: Path) -> None:
+    """TTFT p90 and hit rate against offered rate, one line per policy, per workload; the
+    clairvoyant replay's p90 and the oracle's hit rate dashed (as llm-d charts its sweeps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(2, len(names), figsize=(6 * len(names), 8), squeeze=False)
+    for col, workload in enumerate(names):
+        rows = report["workloads"][workload]["rates"]
+        x = [r["offered_rate_per_s"] for r in rows]
+        policies = sorted({p for r in rows for p in r["policies"]})
+        for policy in policies:
+            p90 = [r["policies"].get(policy, {}).get("ttft_p90_ms") for r in rows]
+            hit = [r["policies"].get(policy, {}).get("hit_rate") for r in rows]
+            axes[0][col].plot(x, p90, marker="o", label=policy)
+            axes[1][col].plot(x, hit, marker="o", label=policy)
+        axes[0][col].plot(x, [r["clairvoyant_ttft_p90_ms"] for r in rows], "k--",
+                          label="clairvoyant replay")  # fmt: skip
+        axes[1][col].plot(x, [r["oracle_hit_rate"] for r in rows], "k--", label="oracle")
+        axes[0][col].set_title(f"{workload}: TTFT p90")
+        axes[0][col].set_ylabel("ms (wall clock)")
+        axes[0][col].set_yscale("log")
+        axes[1][col].set_title(f"{workload}: prefix-cache hit rate")
+        axes[1][col].set_ylim(0, 1)
+        for row in axes:
+            row[col].set_xlabel("offered rate (per modelled second)")
+            row[col].grid(True, alpha=0.3)
+            row[col].legend(fontsize=7)
+    fig.suptitle(
+        f"llmgw routing sweep: {report['replicas']} sim replicas x {report['num_blocks']} "
+        f"blocks, {report['gateways']} gateways, time scale {report['time_scale']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
@@ -932,7 +1405,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--chat-rate", type=float, default=2.0, help="conversation starts/s, in modelled time"
     )
     m.add_argument("--think-s", type=float, default=1.0, help="in modelled time")
+    s = p.add_argument_group("sweep")
+    s.add_argument(
+        "--sweep",
+        nargs="*",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="run every policy at these multiples of --rate and --chat-rate (no values: "
+        "0.25 0.5 1 1.5 2); JSON per rate with the oracle and the clairvoyant replay",
+    )
+    s.add_argument("--sweep-png", type=Path, default=Path("routing-sweep.png"),
+                   help="the chart of a sweep")  # fmt: skip
+    p.add_argument(
+        "--sim-tokenizer",
+        default="tiny",
+        help="the simulators' --tokenizer (tiny: the packaged tiny model, whose files the "
+        "agent ships to the gateways; builtin: the constructed vocabulary, remote only)",
+    )
     args = p.parse_args(argv)
+    _TOKENIZER["name"] = args.sim_tokenizer
+    args.tokens_per_word = _tokens_per_word(args.sim_tokenizer)
+    if args.sweep is not None:
+        args.sweep = args.sweep or [0.25, 0.5, 1.0, 1.5, 2.0]
+        result = sweep(args)
+        print(json.dumps(result, indent=2))
+        return result
     result = run(args)
     print(json.dumps(result, indent=2))
     return result

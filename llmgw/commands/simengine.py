@@ -83,6 +83,15 @@ def simengine(
     prefill_ms_per_token: Annotated[float, typer.Option("--prefill-ms-per-token")] = 0.05,
     decode_ms_per_seq: Annotated[float, typer.Option("--decode-ms-per-seq")] = 0.3,
     seed: Annotated[int, typer.Option("--seed", help="Default sampling seed.")] = 0,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            help="A model directory with tokenizer.json (+ chat template) to tokenize with as "
+            "vLLM does, or `tiny` for the packaged tiny model's files (default: the constructed "
+            "vocabulary).",
+        ),
+    ] = None,
     max_body_bytes: Annotated[
         int,
         typer.Option("--max-body-bytes", help="Larger request bodies get 413 (default 16 MiB)."),
@@ -153,6 +162,7 @@ def simengine(
             ),
             load_time_s=load_time_s,
             seed=seed,
+            tokenizer=_tokenizer_dir(tokenizer),
             max_body_bytes=max_body_bytes,
             # vLLM hashes PYTHONHASHSEED as the string it reads; unset = its >= 0.29 default seed.
             hash_seed=_hash_seed(os.environ.get("PYTHONHASHSEED")),
@@ -166,6 +176,14 @@ def simengine(
     from llmgw.simengine.server import serve
 
     serve(config, limits=limits, log_level=log_level)
+
+
+def _tokenizer_dir(value: str | None) -> str | None:
+    if value == "tiny":
+        from llmgw.simengine.hf_tokens import tiny_model_dir
+
+        return str(tiny_model_dir())
+    return value
 
 
 def _limits(max_connections: int, max_header_bytes: int, header_timeout_s: float) -> ListenerLimits:

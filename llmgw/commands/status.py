@@ -31,7 +31,7 @@ from llmgw.commands._common import exit_on_error
 from llmgw.controlplane.console.fleet_view import prefix_hit_rates, rollout_text
 from llmgw.errors import LlmgwError
 
-__all__ = ["collect", "prefix_hit_rates", "render", "status"]
+__all__ = ["collect", "prefix_hit_rates", "render", "status", "tokenizer_modes"]
 
 _DECISIONS = "llmgw_prefix_decisions"
 
@@ -47,7 +47,31 @@ def _metrics(conn: AdminConnection) -> dict[str, dict[str, Any]] | None:
         return None
     if r.status_code != 200 or _DECISIONS not in r.text:
         return None
-    return prefix_hit_rates(r.text)
+    rates = prefix_hit_rates(r.text)
+    for model, mode in tokenizer_modes(r.text).items():
+        if model in rates:
+            rates[model]["tokenizer"] = mode
+    return rates
+
+
+def tokenizer_modes(metrics_text: str) -> dict[str, str]:
+    """Per model, how precise routing tokenizes its prompts (``llmgw_prefix_tokenizer_mode``:
+    local, remote or none), and "remote (mismatch)" where a verification turned local off."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    modes: dict[str, str] = {}
+    mismatched: set[str] = set()
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            model = sample.labels.get("model", "")
+            if family.name == "llmgw_prefix_tokenizer_mode" and sample.value == 1:
+                modes[model] = sample.labels.get("mode", "")
+            elif sample.name == "llmgw_prefix_tokenizer_mismatches_total" and sample.value > 0:
+                mismatched.add(model)
+    return {
+        m: f"{mode} (mismatch)" if m in mismatched and mode == "remote" else mode
+        for m, mode in modes.items()
+    }
 
 
 def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
@@ -240,7 +264,7 @@ def render(data: dict[str, Any]) -> str:
     else:
         parts.append(
             _table(
-                ["MODEL", "DECISIONS", "PREFIX HITS", "HIT RATE", "PRECISE"],
+                ["MODEL", "DECISIONS", "PREFIX HITS", "HIT RATE", "PRECISE", "TOKENIZING"],
                 [
                     [
                         m,
@@ -248,6 +272,7 @@ def render(data: dict[str, Any]) -> str:
                         r["hits"],
                         "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%",
                         r["precise"],
+                        r.get("tokenizer", "-"),
                     ]
                     for m, r in sorted(rates.items())
                 ],

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator
 
 from llmgw.config.section import Section
 from llmgw.protocol.kvstream import MAX_BODY_BYTES as KV_MAX_BODY_BYTES
+from llmgw.protocol.tokenizers import TOKENIZER_MAX_BODY_BYTES
 
 __all__ = ["AgentApiSettings", "ControlPlaneSettings", "ReconcileSettings"]
 
@@ -60,6 +61,8 @@ class AgentApiSettings(Section):
     # client can make the process read small.
     register_max_body_bytes: int = Field(default=256 << 10, ge=16 << 10)
     kv_max_body_bytes: int = Field(default=KV_MAX_BODY_BYTES, ge=64 << 10)
+    # A model's tokenizer files in base64 (tokenizer.json runs to ~35 MB for large vocabularies).
+    tokenizer_max_body_bytes: int = Field(default=TOKENIZER_MAX_BODY_BYTES, ge=64 << 10)
     # Unchanged syncs only stamp last_sync_at: one UPDATE for all of them per period.
     heartbeat_flush_s: float = Field(default=1.0, gt=0, le=30)
     # controlplane_instances: beat period; an instance is live while seen within 3 periods.

@@ -108,6 +108,47 @@ class GatewaySettings(Section):
     tokenize_concurrency: int = Field(
         default=64, ge=1, description="Tokenize calls in flight at most; more skip precise."
     )
+    local_tokenize: bool = Field(
+        default=True,
+        description="Precise routing tokenizes prompts in the gateway, from each model's "
+        "tokenizer files (shipped by the agents, or named by the profile), verified on a "
+        "sample against a replica's /tokenize; false: always the replica's /tokenize.",
+    )
+    local_tokenize_workers: int = Field(
+        default=2, ge=1, le=64, description="Threads tokenizing prompts locally."
+    )
+    local_tokenize_timeout_s: float = Field(
+        default=0.05,
+        gt=0,
+        le=5,
+        description="Budget of one local tokenizing; past it the request falls back to the "
+        "replica's /tokenize, then to the approximate tree.",
+    )
+    local_tokenize_inline_chars: int = Field(
+        default=2048,
+        ge=0,
+        le=1_000_000,
+        description="A prompt whose uncached pieces (after the shared ones the tokenizer has "
+        "cached, such as a system prompt) come to at most this many characters is encoded on "
+        "the event loop (well under a millisecond); a longer one on the tokenizing threads.",
+    )
+    local_tokenize_max_chars: int = Field(
+        default=1_000_000,
+        ge=1000,
+        description="Prompts longer than this many characters are not tokenized locally.",
+    )
+    tokenizer_verify_first: int = Field(
+        default=8,
+        ge=0,
+        description="The first this many locally tokenized requests of a model's tokenizer "
+        "files are also tokenized by a replica (off the request path) and compared.",
+    )
+    tokenizer_verify_every: int = Field(
+        default=100,
+        ge=1,
+        description="After the first ones, one locally tokenized request in this many is "
+        "verified; a difference turns local tokenizing off for those files.",
+    )
     precise_min_blocks: int = Field(
         default=4,
         ge=1,

@@ -29,6 +29,7 @@ from llmgw.controlplane.gateway.limits import Limiter
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.routes import RouteCache
 from llmgw.controlplane.gateway.routing_inputs import KvView
+from llmgw.controlplane.gateway.tokenizer_files import TokenizerFilesCache
 from llmgw.controlplane.http.request_log import RequestLog
 
 __all__ = ["create_public_app"]
@@ -50,6 +51,7 @@ def create_public_app(
     recorder = UsageRecorder(sessions=sessions)
     limiter = Limiter(recorder=recorder)
     routes = RouteCache(sessions, libpq_url=libpq_url, refresh_s=settings.routes_refresh_s)
+    tokenizers = TokenizerFilesCache(sessions, libpq_url=libpq_url)
     holder: list[Gateway[KeyContext]] = []
     demand = DemandReporter(
         sessions, instance_id=instance_id, flow=lambda: holder[0].flow, clock=time.monotonic
@@ -62,9 +64,10 @@ def create_public_app(
         admit=limiter.admit,
         metrics=GatewayMetrics.create(registry),
         intake=intake,
+        tokenizer_files=tokenizers,
         # Stopped in reverse: routes, then the recorder's final flush, then the keys.
-        starts=(keys.start, recorder.start, routes.start, *reports),
-        stops=(keys.stop, recorder.stop, routes.stop, demand.stop),
+        starts=(keys.start, recorder.start, routes.start, tokenizers.start, *reports),
+        stops=(keys.stop, recorder.stop, routes.stop, tokenizers.stop, demand.stop),
     )
     holder.append(gateway)
     return RequestLog(gateway, listener="public", internal_error=internal_error)

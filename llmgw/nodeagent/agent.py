@@ -46,6 +46,7 @@ from llmgw.nodeagent.state import AgentState
 from llmgw.nodeagent.supervisor import ShardHooks, Supervisor
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from llmgw.nodeagent.sync import SyncLoop, SyncTiming
+from llmgw.nodeagent.tokenizer_ship import TokenizerShipper
 from llmgw.protocol import (
     MAX_SHARDS,
     ControlPlaneInstance,
@@ -53,6 +54,7 @@ from llmgw.protocol import (
     NodeInventory,
     SyncResponse,
 )
+from llmgw.protocol.tokenizers import TokenizerUpload
 
 __all__ = ["Agent", "AgentOptions", "agent_version", "default_mgmt_addr"]
 
@@ -168,6 +170,7 @@ class Agent:
         self.inventory: NodeInventory = self._collect_inventory()
         self._inventory_at = time.monotonic()
         self.relay: Any = None
+        self.tokenizers = TokenizerShipper(self._upload_tokenizer)
         self.supervisor = Supervisor(
             SupervisorConfig(
                 shards_root=self.state.shards_root,
@@ -447,12 +450,31 @@ class Agent:
 
     # --- running ----------------------------------------------------------------------
 
+    def _ship_tokenizers(self) -> None:
+        """Each ready leader's model tokenizer files, to the control plane (once per shard)."""
+        runtimes = self.supervisor.runtimes
+        self.tokenizers.forget(runtimes)
+        self.tokenizers.ready(
+            (sid, rt.record.spec)
+            for sid, rt in runtimes.items()
+            if rt.phase == "live"
+            and rt.health == "ready"
+            and int(rt.record.spec.get("rank", 0) or 0) == 0
+        )
+
+    async def _upload_tokenizer(self, request: TokenizerUpload) -> None:
+        ident = self.sync.identity if self.sync is not None else None
+        if ident is None:
+            raise RuntimeError("not registered yet")
+        await self.client.upload_tokenizer(request, credential=ident.node_credential)
+
     async def _supervise(self, stop: asyncio.Event) -> None:
         interval = self.settings.health_interval_s
         while not stop.is_set():
             try:
                 await self.supervisor.tick()
                 self._update_routes()
+                self._ship_tokenizers()
             except Exception:
                 log.exception("supervisor_pass_failed")
             self._wake.clear()
@@ -538,6 +560,7 @@ class Agent:
             await self.endpoints.stop()
             if self.proxy is not None:
                 await self.proxy.stop()
+            await self.tokenizers.close()
             await self.supervisor.close()
             await self.client.close()
             self.gpu_source.close()

@@ -34,6 +34,11 @@ from llmgw.protocol import (
     SyncRequest,
     SyncResponse,
 )
+from llmgw.protocol.tokenizers import (
+    TOKENIZER_PATH,
+    TokenizerUpload,
+    TokenizerUploadResponse,
+)
 
 __all__ = [
     "MAX_RESPONSE_BYTES",
@@ -170,6 +175,13 @@ class ControlPlaneClient:
 
     async def sync(self, request: SyncRequest, *, credential: str) -> SyncResponse:
         return await self._post(SYNC_PATH, request, SyncResponse, credential=credential)
+
+    async def upload_tokenizer(
+        self, request: TokenizerUpload, *, credential: str
+    ) -> TokenizerUploadResponse:
+        return await self._post(
+            TOKENIZER_PATH, request, TokenizerUploadResponse, credential=credential
+        )
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -125,6 +125,10 @@ class SimEngineConfig:
     kv_extra_key_format: ExtraKeyFormat = "tagged"
     load_time_s: float = 0.0
     seed: int = 0
+    # --tokenizer: a model directory's tokenizer files (tokenizer.json + chat template), used as
+    # vLLM uses them; None: the constructed vocabulary (tokenizer.py). `llmgw simengine`
+    # defaults to the packaged tiny model's.
+    tokenizer: str | None = None
     # PYTHONHASHSEED as the engine saw it; None = vLLM >= 0.29's fixed default seed.
     hash_seed: str | None = None
     # SIMENGINE_API_KEY; None = /v1 is open.

@@ -20,19 +20,22 @@ import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmgw.errors import LlmgwError, SpecError
 from llmgw.eventloop import cancel_and_wait
 from llmgw.kv.hashing import BlockHash, extra_keys_for_block, hash64, hash_block, none_hash
+from llmgw.kv.hf_tokenizer import HfTokenizer
 from llmgw.logs import get_logger
 from llmgw.simengine.config import SimEngineConfig
 from llmgw.simengine.control import ControlSignal, EngineState, apply_signal
+from llmgw.simengine.hf_tokens import HfEngineTokenizer, read_tokenizer_dir
 from llmgw.simengine.metrics import EngineMetrics
 from llmgw.simengine.publisher import KvEventPublisher
 from llmgw.simengine.sampling import SampledOutput, Sampler
 from llmgw.simengine.scheduler import BlockHasher, RequestSpec, Scheduler, StepResult
-from llmgw.simengine.tokenizer import Tokenizer
+from llmgw.simengine.tokenizer import EngineTokenizer, Tokenizer
 
 __all__ = [
     "EngineDeadError",
@@ -131,10 +134,19 @@ class RequestStream:
                 waiter.set_result(None)
 
 
+def _tokenizer_of(config: SimEngineConfig) -> EngineTokenizer:
+    """The model directory's tokenizer files (--tokenizer), else the constructed vocabulary."""
+    if config.tokenizer is None:
+        return Tokenizer()
+    return HfEngineTokenizer(HfTokenizer(read_tokenizer_dir(Path(config.tokenizer))))
+
+
 class SimEngine:
-    def __init__(self, config: SimEngineConfig, *, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, config: SimEngineConfig, *, tokenizer: EngineTokenizer | None = None
+    ) -> None:
         self.config = config
-        self.tokenizer = tokenizer or Tokenizer()
+        self.tokenizer: EngineTokenizer = tokenizer or _tokenizer_of(config)
         self.sampler = Sampler(self.tokenizer, default_seed=config.seed)
         self.scheduler = Scheduler(config.scheduler)
         self.metrics = EngineMetrics(

@@ -46,6 +46,7 @@ from llmgw.simengine.engine import (
     SimEngine,
     context_length_error,
 )
+from llmgw.simengine.hf_tokens import HfEngineTokenizer
 from llmgw.simengine.limits import (
     OFFLOAD_BODY_BYTES,
     BodyTooLargeError,
@@ -53,7 +54,7 @@ from llmgw.simengine.limits import (
     read_capped_body,
 )
 from llmgw.simengine.openai_wire import ResponseEncoder, error_body, usage_dict
-from llmgw.simengine.tokenizer import Tokenizer
+from llmgw.simengine.tokenizer import EngineTokenizer
 
 __all__ = [
     "ASGIApp",
@@ -285,15 +286,28 @@ def resolve_model(engine: SimEngine, name: str | None) -> tuple[str, str | None]
 
 
 def chat_token_ids(
-    tokenizer: Tokenizer, chat: ChatCompletionRequest | TokenizeChatRequest
+    tokenizer: EngineTokenizer, chat: ChatCompletionRequest | TokenizeChatRequest
 ) -> list[int]:
     """The tokens a chat request is cached under. `/tokenize` and chat completions both render
     through `_chat_text`, so a router that tokenizes a conversation gets exactly what the
     engine caches."""
-    return tokenizer.tokenize(_chat_text(chat), add_special_tokens=chat.add_special_tokens)
+    return tokenizer.tokenize(
+        _chat_text(tokenizer, chat), add_special_tokens=chat.add_special_tokens
+    )
 
 
-def _chat_text(chat: ChatCompletionRequest | TokenizeChatRequest) -> str:
+def _chat_text(
+    tokenizer: EngineTokenizer, chat: ChatCompletionRequest | TokenizeChatRequest
+) -> str:
+    if isinstance(tokenizer, HfEngineTokenizer):
+        # The model's own template, as the engine renders it (and the gateway does).
+        return tokenizer.chat_text(
+            chat.messages,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            tools=chat.tools,
+            chat_template_kwargs=chat.chat_template_kwargs,
+        )
     return render_chat(
         chat.messages,
         add_generation_prompt=chat.add_generation_prompt,
@@ -303,7 +317,12 @@ def _chat_text(chat: ChatCompletionRequest | TokenizeChatRequest) -> str:
 
 
 def _prompt_ids(
-    tokenizer: Tokenizer, text: str, *, add_special_tokens: bool, max_model_len: int, field: str
+    tokenizer: EngineTokenizer,
+    text: str,
+    *,
+    add_special_tokens: bool,
+    max_model_len: int,
+    field: str,
 ) -> list[int]:
     """The prompt's ids, refused as vLLM would once they leave no room for output: a prompt
     past the limit is counted, never held in full (see Tokenizer.tokenize_within)."""
@@ -361,7 +380,7 @@ def _generation_params(
         prompt_field = "messages"
         token_ids = _prompt_ids(
             tokenizer,
-            _chat_text(request),
+            _chat_text(tokenizer, request),
             add_special_tokens=request.add_special_tokens,
             max_model_len=max_model_len,
             field=prompt_field,

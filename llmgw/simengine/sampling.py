@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from llmgw.simengine.tokenizer import Tokenizer
+from llmgw.simengine.tokenizer import EngineTokenizer
 
 __all__ = ["SampledOutput", "Sampler"]
 
@@ -52,7 +52,7 @@ class SampledOutput:
 
 
 class Sampler:
-    def __init__(self, tokenizer: Tokenizer, *, default_seed: int = 0) -> None:
+    def __init__(self, tokenizer: EngineTokenizer, *, default_seed: int = 0) -> None:
         self._tokenizer = tokenizer
         self._default_seed = default_seed
         self._pool = list(tokenizer.word_piece_ids())

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice, product
 from string import ascii_lowercase, digits
-from typing import Final, NewType
+from typing import Final, NewType, Protocol
 
 __all__ = [
     "BOS_ID",
@@ -28,6 +28,7 @@ __all__ = [
     "IM_END_ID",
     "IM_START_ID",
     "SPECIAL_TOKENS",
+    "EngineTokenizer",
     "TokenId",
     "Tokenizer",
 ]
@@ -57,6 +58,21 @@ _PIECE_RE: Final = re.compile(
     r"| ?[0-9]{1,3}"
     r"|[\s\S]"
 )
+
+
+class EngineTokenizer(Protocol):
+    """What the engine, the sampler and the HTTP shell use of a tokenizer: this module's
+    constructed one, or a model's tokenizer files (``hf_tokens.HfEngineTokenizer``)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+    def tokenize_within(
+        self, text: str, *, add_special_tokens: bool = False, limit: int
+    ) -> tuple[list[int] | None, int]: ...
+    def detokenize(self, token_ids: Iterable[int], *, skip_special_tokens: bool = False) -> str: ...
+    def piece(self, token_id: int) -> str: ...
+    def word_piece_ids(self) -> Sequence[int]: ...
 
 
 def _build_vocab() -> list[bytes]:

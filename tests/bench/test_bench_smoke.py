@@ -8,6 +8,7 @@ are judged by, is checked on traces whose answer is known.
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 import sys
 from pathlib import Path
@@ -200,3 +201,51 @@ def test_the_overload_bench_runs_every_level_and_gateway_count(tmp_path: Path) -
     assert set(report["runs"]) == {"1 gateway", "2 gateways"}
     chart = report["chart"]
     assert (chart == str(png) and png.stat().st_size > 0) or chart.startswith("skipped")
+
+
+def test_the_sweep_report_judges_each_rate_and_charts_it(tmp_path: Path) -> None:
+    import argparse
+
+    routing = _load("routing")
+
+    def run(hit: float, p90: float, failed: int = 0, **extra: float) -> dict[str, object]:
+        hist = {"count": 0, "p50_ms_at_most": None, "p99_ms_at_most": None}
+        return {"hit_rate": hit, "ttft_p50_ms": p90 / 2, "ttft_p90_ms": p90, "failed": failed,
+                "requests": 10, "requests_per_s": 5.0, "wall_s": 2.0,
+                "tokenize": {"local": hist, "remote": hist}, **extra}  # fmt: skip
+
+    def rate(precise_p90: float, random_p90: float, failed: int = 0) -> dict[str, object]:
+        return {
+            "precise": [run(0.6, precise_p90, failed, oracle_hit_rate=0.64,
+                            clairvoyant_ttft_p90_ms=100.0, clairvoyant_hit_rate=0.6)],
+            "random": [run(0.2, random_p90)],
+            "approximate": [run(0.5, precise_p90 * 1.1)],
+        }  # fmt: skip
+
+    per = {"shared_prefix": [rate(110, 300), rate(140, 700), rate(900, 5000, failed=3)]}
+    args = argparse.Namespace(
+        rate=4.0, chat_rate=1.0, sim_tokenizer="tiny", tokens_per_word=1.5, gateways=2,
+        replicas=4, num_blocks=128, block_size=16, time_scale=1.0, repeats=1, groups=8,
+        users=4, system_tokens=1000, requests=30, conversations=8, turns=4,
+    )  # fmt: skip
+    report = routing._sweep_report(args, per, [0.5, 1.0, 2.0], 8192, 1.0)
+    rows = report["workloads"]["shared_prefix"]["rates"]
+    assert [r["offered_rate_per_s"] for r in rows] == [2.0, 4.0, 8.0]
+    first = rows[0]["targets"]
+    assert first["precise_share_of_oracle"] == pytest.approx(0.6 / 0.64, abs=1e-3)
+    assert (
+        first["meets_oracle"] and first["meets_clairvoyant"] and first["not_worse_than_approximate"]
+    )
+    assert not rows[1]["targets"]["meets_clairvoyant"]  # 140 ms: 1.4x the clairvoyant's
+    # The heaviest rate precise sustains is the second (the third failed requests): 700/140.
+    got = report["workloads"]["shared_prefix"]
+    assert got["heaviest_sustained_factor"] == 1.0
+    assert got["random_over_precise_at_heaviest"] == pytest.approx(5.0)
+    assert got["meets_random_at_heaviest"]
+    local = report["tokenize"]["local_in_process"]
+    assert local["chat_tokens"] > 3000 and local["p99_ms"] > 0
+    png = tmp_path / "sweep.png"
+    routing._sweep_chart(report, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    q = routing._quantiles({0.001: 0.0, math.inf: 0.0}, {0.001: 60.0, 0.005: 99.0, math.inf: 100.0})
+    assert q == {"count": 100, "p50_ms_at_most": 1.0, "p99_ms_at_most": 5.0}

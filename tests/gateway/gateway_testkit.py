@@ -20,7 +20,7 @@ from support.procs import free_port
 from llmgw.config import GatewaySettings
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.credentials import parse_api_key
-from llmgw.controlplane.gateway.app import Gateway
+from llmgw.controlplane.gateway.app import Gateway, TokenizerSource
 from llmgw.controlplane.gateway.errors import GatewayError, internal_error
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
@@ -163,6 +163,7 @@ def serve_gateway(
     *,
     settings: GatewaySettings | None = None,
     intake: KvIntake | None = None,
+    tokenizer_files: TokenizerSource | None = None,
 ) -> Iterator[Served]:
     registry = CollectorRegistry()
     limits = StandInLimits()
@@ -174,6 +175,7 @@ def serve_gateway(
         admit=limits.admit,
         metrics=GatewayMetrics.create(registry),
         intake=intake,
+        tokenizer_files=tokenizer_files,
     )
     app = RequestLog(gateway, listener="public", internal_error=internal_error)
     with serve_asgi(app, lifespan="on") as url:

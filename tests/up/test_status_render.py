@@ -79,3 +79,21 @@ def test_the_screen_names_what_is_wrong_and_where() -> None:
     assert "60.0%" in screen
     assert "n/a" in render(_data(None))
     assert "no requests routed yet" in render(_data({}))
+
+
+def test_the_screen_says_how_each_model_is_tokenized() -> None:
+    from llmgw.commands.status import tokenizer_modes
+
+    text = (
+        "# TYPE llmgw_prefix_tokenizer_mode gauge\n"
+        'llmgw_prefix_tokenizer_mode{mode="local",model="demo"} 1.0\n'
+        'llmgw_prefix_tokenizer_mode{mode="remote",model="demo"} 0.0\n'
+        'llmgw_prefix_tokenizer_mode{mode="local",model="other"} 0.0\n'
+        'llmgw_prefix_tokenizer_mode{mode="remote",model="other"} 1.0\n'
+        "# TYPE llmgw_prefix_tokenizer_mismatches counter\n"
+        'llmgw_prefix_tokenizer_mismatches_total{model="other"} 1.0\n'
+    )
+    assert tokenizer_modes(text) == {"demo": "local", "other": "remote (mismatch)"}
+    row = {"decisions": 1, "hits": 1, "precise": 1, "hit_rate": 1.0, "tokenizer": "local"}
+    screen = render(_data({"demo": row}))
+    assert "TOKENIZING" in screen and "local" in screen

@@ -3,6 +3,7 @@
     REGISTER_PATH  RegisterRequest (bootstrap token in the body)     -> RegisterResponse
     SYNC_PATH      SyncRequest     (Authorization: Bearer llmgwn_...) -> SyncResponse
     KV_PATH        msgpack KvDeltaRequest (same credential)           -> {"result": ...}
+    TOKENIZER_PATH TokenizerUpload (same credential)                  -> TokenizerUploadResponse
 
 Order of every request, each step refusing before the next costs anything: the credential
 from the headers (401; sync and KV), the declared Content-Length against the endpoint's cap
@@ -40,6 +41,7 @@ from llmgw.config import AgentApiSettings
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal, protocol_error
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.agentapi.service import AgentApi, unauthorized
+from llmgw.controlplane.agentapi.tokenizers import store_tokenizer
 from llmgw.controlplane.credentials import bearer_credential
 from llmgw.controlplane.instances import InstanceIdentity
 from llmgw.errors import clip
@@ -52,6 +54,7 @@ from llmgw.protocol.sync import (
     RegisterRequest,
     SyncRequest,
 )
+from llmgw.protocol.tokenizers import TOKENIZER_PATH, TokenizerUpload
 
 __all__ = ["agent_router", "install_agent_api"]
 
@@ -194,6 +197,26 @@ async def kv_delta(request: Request) -> Response:
         )
     except AgentApiRefusal as r:
         return protocol_error(r.status, r.code, r.message, r.headers)
+
+
+@agent_router.post(TOKENIZER_PATH, summary="A ready shard's model tokenizer files")
+async def tokenizer(request: Request) -> Response:
+    api = _api(request)
+    try:
+        credential = bearer_credential(request.headers.get("authorization"))
+        if credential is None:
+            api.metrics.auth_failures.labels("tokenizer", "missing_or_malformed").inc()
+            raise unauthorized()
+        await api.authenticate(credential, endpoint="tokenizer")
+        body = await _read_body(
+            request, api.settings.tokenizer_max_body_bytes, "tokenizer_max_body_bytes"
+        )
+        parsed = _parse(TokenizerUpload, body)
+        return _json(await store_tokenizer(api.sessions, credential.node_id, parsed))
+    except AgentApiRefusal as r:
+        return protocol_error(r.status, r.code, r.message, r.headers)
+    except (OperationalError, InterfaceError) as exc:
+        return _db_down(exc)
 
 
 def install_agent_api(

@@ -21,7 +21,8 @@ class AgentApiRefusal(Exception):
     code                 status
     malformed-json       400  the body is not JSON / not a valid KV delta
     unauthorized         401  credential or bootstrap token missing, wrong, expired, revoked
-    conflict             409  node id not the credential's; node name already registered
+    conflict             409  node id not the credential's; node name already registered;
+                              a tokenizer upload for a shard the node does not run
     body-too-large       413  the body passes the endpoint's cap
     spec-invalid         422  the body breaks the protocol's model
     protocol-version     426  a protocol version this control plane does not speak

@@ -3,7 +3,8 @@
 A request reads top to bottom, one step per module: path -> key (``keys``, from the header,
 before any body byte is read) -> body (capped, ``llmgw.bodies``) -> model (allow-list, route
 table) -> limits (``limits``: reserve) -> router (``routing_inputs`` assembles what the pure
-``router.decide`` weighs; tokenizing through an engine is routing's one I/O) -> upstream
+``router.decide`` weighs; tokens from the model's own files in process, ``local_tokens``,
+verified on a sample against an engine's /tokenize, which is also the fallback) -> upstream
 (``upstream``: the replica's agent proxy, pooled aiohttp, the retry rule) -> answer, passed
 through (``relay``) -> settle. This module parses, admits, routes and relays: it orchestrates
 the steps and holds none of them.
@@ -51,6 +52,7 @@ from llmgw.controlplane.gateway.errors import (
 )
 from llmgw.controlplane.gateway.flow import FlowControl
 from llmgw.controlplane.gateway.load import LoadTracker
+from llmgw.controlplane.gateway.local_tokens import MODES, LocalTokenizers, Verdict
 from llmgw.controlplane.gateway.metrics import GatewayMetrics
 from llmgw.controlplane.gateway.relay import DisconnectWatch, Relay
 from llmgw.controlplane.gateway.router import Candidate, decide
@@ -82,6 +84,7 @@ from llmgw.controlplane.gateway.wire import (
     send_json,
 )
 from llmgw.eventloop import cancel_and_wait
+from llmgw.kv.hf_tokenizer import TokenizerFiles
 from llmgw.logs import get_logger
 
 __all__ = ["Gateway", "KeyInfo", "RouteSource"]
@@ -94,6 +97,9 @@ _MODELS = "/v1/models"
 # Characters per token when estimating a prompt's length before it is tokenized: low on
 # purpose, so a prompt is rather tokenized once too often than never.
 _CHARS_PER_TOKEN = 3
+# A verification is off the request path: it may wait for a busy replica's /tokenize longer
+# than routing would (a sample lost to a timeout is only asked again later).
+_VERIFY_TIMEOUT_S = 2.0
 
 
 class KeyInfo(Protocol):
@@ -116,6 +122,14 @@ class RouteSource(Protocol):
     def table(self) -> RouteTable: ...
 
 
+class TokenizerSource(Protocol):
+    """Each model's tokenizer files (``tokenizer_files.TokenizerFilesCache``, kept current by
+    it from Postgres): served model name -> files."""
+
+    @property
+    def files(self) -> Mapping[str, TokenizerFiles]: ...
+
+
 K = TypeVar("K", bound=KeyInfo)
 
 
@@ -133,6 +147,8 @@ class Gateway(Generic[K]):
     admit: Callable[[K, str, int], Settleable]
     metrics: GatewayMetrics
     intake: KvView | None = None
+    # Where precise routing's tokenizer files come from (None: always a replica's /tokenize).
+    tokenizer_files: TokenizerSource | None = None
     starts: Sequence[Callable[[], Awaitable[None]]] = ()
     stops: Sequence[Callable[[], Awaitable[None]]] = ()
     clock: Callable[[], float] = time.monotonic
@@ -159,6 +175,14 @@ class Gateway(Generic[K]):
             windows=self.flow.windows,
         )
         self.relay = Relay(self.upstream, self.metrics, self.clock)
+        self.local = LocalTokenizers(
+            workers=s.local_tokenize_workers,
+            timeout_s=s.local_tokenize_timeout_s,
+            max_chars=s.local_tokenize_max_chars,
+            verify_first=s.tokenizer_verify_first,
+            verify_every=s.tokenizer_verify_every,
+            inline_chars=s.local_tokenize_inline_chars,
+        )
         self._random = random.Random()
         self.created = int(time.time())
 
@@ -174,6 +198,7 @@ class Gateway(Generic[K]):
             await start()
         await self.load.start(http, self._ready_endpoints, s.load_scrape_s)
         self._table()
+        self._sync_tokenizers()
         await self.flow.start()
         self._stats_task = asyncio.create_task(self._stats(), name="gateway-stats")
 
@@ -188,6 +213,7 @@ class Gateway(Generic[K]):
             except Exception:
                 log.error("gateway_stop_failed", exc_info=True)
         await self.upstream.close()
+        self.local.close()
 
     def _table(self) -> RouteTable:
         """The route table, having forgotten the claims on replicas whose engine restarted
@@ -218,10 +244,37 @@ class Gateway(Generic[K]):
         while True:
             await asyncio.sleep(2.0)
             self.metrics.approx_entries.set(len(self.tree))
+            self._sync_tokenizers()
+            self._report_tokenizer_modes()
             if self.intake is not None:
                 index = self.intake.index
                 for model in index.models():
                     self.metrics.index_blocks.labels(model).set(index.num_entries(model))
+
+    def _sync_tokenizers(self) -> None:
+        if self.tokenizer_files is not None and self.settings.local_tokenize:
+            self.local.sync(self.tokenizer_files.files)
+
+    def _report_tokenizer_modes(self) -> None:
+        """``llmgw_prefix_tokenizer_mode``: per served model, 1 for how its prompts are
+        tokenized, 0 for the other modes."""
+        metrics = self.metrics
+        for route in self.routes.table.routes.values():
+            if route.lora is not None:
+                continue
+            mode = self.tokenizer_mode(route)
+            for m in MODES:
+                metrics.gauge(metrics.tokenizer_mode, 1.0 if m == mode else 0.0, route.name, m)
+
+    def tokenizer_mode(self, route: ModelRoute) -> str:
+        """How precise routing tokenizes the route's prompts: "local", "remote" or "none"."""
+        if self.intake is None or self.settings.routing_policy not in INDEX_POLICIES:
+            return "none"
+        if route.endpoints and not any(ep.hash is not None for ep in route.endpoints):
+            return "none"
+        if not self.settings.local_tokenize:
+            return "remote"
+        return self.local.mode(route.base)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -519,6 +572,10 @@ class Gateway(Generic[K]):
         block = block_size(hashed)
         if len(prompt.text) < self.settings.precise_min_blocks * block * _CHARS_PER_TOKEN:
             return None
+        if self.settings.local_tokenize and self.tokenizer_files is not None:
+            local = await self._local_tokens(route, hashed, body, prompt, chat)
+            if local is not None:
+                return local
         payload = tokenize_payload(route.name, body, chat=chat)
         if payload is None or self._tokenizer is None:
             return None
@@ -530,6 +587,46 @@ class Gateway(Generic[K]):
             return None
         self.metrics.observe(self.metrics.tokenize_seconds, time.perf_counter() - t, route.name)
         return got
+
+    async def _local_tokens(
+        self,
+        route: ModelRoute,
+        hashed: list[Endpoint],
+        body: Mapping[str, Any],
+        prompt: Prompt,
+        chat: bool,
+    ) -> list[int] | None:
+        """The prompt's ids from the model's tokenizer files, in this process; None where it
+        has no usable ones (the caller asks a replica). A sample is verified against a
+        replica's /tokenize after the request went on its way."""
+        self._sync_tokenizers()
+        model = route.base
+        if self.local.mode(model) != "local":
+            return None
+        t = time.perf_counter()
+        got = await self.local.tokenize(model, body, chat=chat, chars=len(prompt.text))
+        metrics = self.metrics
+        if isinstance(got, str):
+            metrics.inc(metrics.tokenize_failures, route.name, f"local_{got}")
+            return None
+        ids, verify = got
+        metrics.observe(metrics.tokenize_local_seconds, time.perf_counter() - t, route.name)
+        payload = tokenize_payload(route.name, body, chat=chat)
+        remote = self._tokenizer
+        if verify and payload is not None and remote is not None:
+            target = min(hashed, key=lambda ep: (self.load.load(ep.replica), ep.replica))
+            self.local.verify(
+                model,
+                ids,
+                lambda: remote.tokenize(target, payload, timeout_s=_VERIFY_TIMEOUT_S),
+                self._on_verdict,
+            )
+        return ids
+
+    def _on_verdict(self, verdict: Verdict) -> None:
+        if not verdict.match:
+            self.metrics.inc(self.metrics.tokenizer_mismatches, verdict.model)
+            self._report_tokenizer_modes()
 
 
 def _priority(key: KeyInfo) -> int:

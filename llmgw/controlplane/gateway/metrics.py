@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = ["GatewayMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LOCAL_TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05)
 _TOKENIZE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
 _SHARE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -25,6 +26,9 @@ class GatewayMetrics:
     matched_share: Histogram
     tokenize_seconds: Histogram
     tokenize_failures: Counter
+    tokenize_local_seconds: Histogram
+    tokenizer_mode: Gauge
+    tokenizer_mismatches: Counter
     index_blocks: Gauge
     approx_entries: Gauge
     requests: Counter
@@ -100,6 +104,29 @@ class GatewayMetrics:
                 "llmgw_prefix_tokenize_failures",
                 "Tokenize calls that failed (reason: timeout, error, busy).",
                 ["model", "reason"],
+                registry=registry,
+            ),
+            tokenize_local_seconds=Histogram(
+                "llmgw_prefix_tokenize_local_seconds",
+                "Time to tokenize a prompt in the gateway from the model's tokenizer files "
+                "(precise routing), the wait for a pool thread included.",
+                ["model"],
+                buckets=_LOCAL_TOKENIZE_BUCKETS,
+                registry=registry,
+            ),
+            tokenizer_mode=Gauge(
+                "llmgw_prefix_tokenizer_mode",
+                "How precise routing tokenizes a model's prompts: 1 for the model's one mode "
+                "(local: in the gateway from its tokenizer files; remote: a replica's "
+                "/tokenize; none: not at all), 0 for the others.",
+                ["model", "mode"],
+                registry=registry,
+            ),
+            tokenizer_mismatches=Counter(
+                "llmgw_prefix_tokenizer_mismatches",
+                "Verifications where the gateway's local tokens differed from a replica's "
+                "/tokenize (each turns local tokenizing off for those files).",
+                ["model"],
                 registry=registry,
             ),
             index_blocks=Gauge(

@@ -59,8 +59,11 @@ class Tokenizer:
         self._cap = concurrency
         self._busy = 0
 
-    async def tokenize(self, ep: Endpoint, payload: Mapping[str, Any]) -> list[int] | str:
-        """The token ids, or why not: "busy", "timeout" or "error"."""
+    async def tokenize(
+        self, ep: Endpoint, payload: Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> list[int] | str:
+        """The token ids, or why not: "busy", "timeout" or "error". ``timeout_s``: another
+        budget than the routing one (a verification off the request path may wait longer)."""
         if self._busy >= self._cap:
             return "busy"
         self._busy += 1
@@ -73,7 +76,9 @@ class Tokenizer:
                     "Authorization": f"Bearer {ep.api_key}",
                     "Content-Type": "application/json",
                 },
-                timeout=self._timeout,
+                timeout=self._timeout
+                if timeout_s is None
+                else aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:
                 if resp.status != 200:
                     return "error"

@@ -734,6 +734,34 @@ class ReconcileAction(Base):
     reason: Mapped[str] = mapped_column(Text, server_default="")
 
 
+class TokenizerFile(Base):
+    """One tokenizer file's bytes, keyed by their SHA-256: stored once however many nodes and
+    models ship it (``store.tokenizers``). Capped in size by the agent API before it is
+    written (``llmgw.kv.hf_tokenizer.MAX_FILE_BYTES``)."""
+
+    __tablename__ = "tokenizer_files"
+    __table_args__ = (CheckConstraint("size = length(content)", name="size_matches"),)
+
+    sha256: Mapped[str] = mapped_column(Text, primary_key=True)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = _created()
+
+
+class ModelTokenizer(Base):
+    """The tokenizer files the gateways tokenize a served model's prompts with: file name ->
+    SHA-256 (rows of ``tokenizer_files``) and the set's digest; ``source`` says who shipped
+    it (node and shard). Every change NOTIFYs the gateways (``store.tokenizers``)."""
+
+    __tablename__ = "model_tokenizers"
+
+    model: Mapped[str] = mapped_column(Text, primary_key=True)
+    digest: Mapped[str] = mapped_column(Text)
+    files: Mapped[dict[str, Any]] = mapped_column()
+    source: Mapped[str] = mapped_column(Text, server_default="")
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
 # Every write that can change a route NOTIFYs the gateways, from the database, so that no
 # writer (agent syncs, the reconciler, an admin) can forget to (migration 0005). One
 # notification per statement; Postgres folds a transaction's identical ones into one.
