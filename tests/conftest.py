@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from pg_harness import PgServer, migrated_template, pg_server_session
+from support.llama_build import UNBUILT_ENV, build_llama_server
 
 from llmgw.embedded_postgres import throwaway_parent
 
@@ -43,6 +44,36 @@ settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE")
     or ("ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "dev")
 )
+
+
+_REAL_ENGINES = Path(__file__).resolve().parent / "real_engines"
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is there to print the progress
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist the controller builds llama-server once, before the workers start, when
+    # the run may reach the real-engine tests; the workers inherit the path (or why not) through
+    # the environment (tests/support/llama_build.py). A worker, or a run without workers, builds
+    # after its own collection (tests/real_engines/conftest.py).
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    if os.environ.get("LLMGW_LLAMA_SERVER") or not any(
+        _reaches(arg, _REAL_ENGINES) for arg in config.args
+    ):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    binary, why_not = build_llama_server(
+        reporter.write_line if reporter is not None else (lambda _line: None)
+    )
+    if binary:
+        os.environ["LLMGW_LLAMA_SERVER"] = binary
+    else:
+        os.environ[UNBUILT_ENV] = why_not
+
+
+def _reaches(arg: str, folder: Path) -> bool:
+    path = Path(arg.split("::", 1)[0]).resolve()
+    return path == folder or folder in path.parents or path in folder.parents
 
 
 @pytest.fixture(scope="session")
