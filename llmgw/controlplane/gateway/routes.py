@@ -28,11 +28,10 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from llmgw.controlplane.gateway.notified import NotifiedCache
 from llmgw.controlplane.gateway.router import HashParams
 from llmgw.controlplane.store.catalog import CHANGE_CHANNEL, ROUTES_CHANNEL
-from llmgw.controlplane.store.listen import Listener
 from llmgw.controlplane.store.routes import DeclaredRow, RouteRow, read_declared, read_routes
-from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger
 
@@ -48,9 +47,6 @@ __all__ = [
 ]
 
 log = get_logger("llmgw.controlplane.gateway")
-
-_LISTEN_BACKOFF_BASE_S = 0.1
-_LISTEN_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +161,7 @@ def build_table(
     return RouteTable(routes, read_at)
 
 
-class RouteCache:
+class RouteCache(NotifiedCache):
     """The table, re-read on NOTIFY (and every ``refresh_s``, a safety net); the last good one
     while Postgres is down."""
 
@@ -176,31 +172,16 @@ class RouteCache:
         libpq_url: str | None,
         refresh_s: float,
     ) -> None:
-        self._sessions = sessions
-        self.refresh_s = refresh_s
-        self.table = RouteTable({}, 0.0)
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._failing = False
-        self.changed = asyncio.Event()  # set after every successful refresh (tests wait on it)
-        # Admin changes (names, adapters) and route changes (replicas' states); every reconnect
-        # re-reads at once what changed while no one listened, not a period later.
-        self._listener = (
-            None
-            if not libpq_url
-            else Listener(
-                libpq_url,
-                [CHANGE_CHANNEL, ROUTES_CHANNEL],
-                application_name="llmgw-gateway-routes",
-                on_notify=self._wake.set,
-                on_listening=self._wake.set,
-                backoff_base_s=_LISTEN_BACKOFF_BASE_S,
-                backoff_max_s=_LISTEN_BACKOFF_MAX_S,
-            )
+        # Admin changes (names, adapters) and route changes (replicas' states).
+        super().__init__(
+            "routes",
+            libpq_url=libpq_url,
+            channels=[CHANGE_CHANNEL, ROUTES_CHANNEL],
+            refresh_s=refresh_s,
         )
-        # Set while the LISTEN connection is up: NOTIFYs sent from then on reach this cache.
-        # Without a listener, never.
-        self.listening = asyncio.Event() if self._listener is None else self._listener.listening
+        self._sessions = sessions
+        self.table = RouteTable({}, 0.0)
+        self.changed = asyncio.Event()  # set after every successful refresh (tests wait on it)
 
     async def refresh(self) -> None:
         async with self._sessions() as session, session.begin():
@@ -209,31 +190,5 @@ class RouteCache:
         self.table = build_table(rows, read_at=time.monotonic(), declared=declared)
         self.changed.set()
 
-    async def _refresh_quietly(self) -> None:
-        try:
-            await self.refresh()
-            if self._failing:
-                log.info("gateway_routes_restored", names=len(self.table.routes))
-            self._failing = False
-        except Exception as exc:  # the database may be down: keep serving what we hold
-            if not self._failing:
-                log.warning("gateway_routes_refresh_failed", error=type(exc).__name__)
-            self._failing = True
-
-    async def start(self) -> None:
-        await self._refresh_quietly()
-        self._tasks.append(asyncio.create_task(self._run(), name="gateway-routes"))
-        if self._listener is not None:
-            self._tasks.append(
-                asyncio.create_task(self._listener.run(), name="gateway-routes-listen")
-            )
-
-    async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        await cancel_and_wait(tasks)
-
-    async def _run(self) -> None:
-        while True:
-            await wait_event(self._wake, self.refresh_s)
-            self._wake.clear()
-            await self._refresh_quietly()
+    def holds(self) -> int:
+        return len(self.table.routes)

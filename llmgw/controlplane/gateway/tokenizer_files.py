@@ -19,14 +19,13 @@ from collections.abc import Mapping
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.store.listen import Listener
+from llmgw.controlplane.gateway.notified import NotifiedCache
 from llmgw.controlplane.store.tokenizers import (
     TOKENIZERS_CHANNEL,
     read_file_contents,
     read_model_tokenizers,
 )
 from llmgw.errors import LlmgwError
-from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.kv.hf_tokenizer import TokenizerFiles
 from llmgw.logs import get_logger
 
@@ -34,11 +33,8 @@ __all__ = ["TokenizerFilesCache"]
 
 log = get_logger("llmgw.controlplane.gateway")
 
-_LISTEN_BACKOFF_BASE_S = 0.1
-_LISTEN_BACKOFF_MAX_S = 5.0
 
-
-class TokenizerFilesCache:
+class TokenizerFilesCache(NotifiedCache):
     def __init__(
         self,
         sessions: async_sessionmaker[AsyncSession],
@@ -46,28 +42,16 @@ class TokenizerFilesCache:
         libpq_url: str | None,
         refresh_s: float = 30.0,
     ) -> None:
+        super().__init__(
+            "tokenizer_files",
+            libpq_url=libpq_url,
+            channels=[TOKENIZERS_CHANNEL],
+            refresh_s=refresh_s,
+        )
         self._sessions = sessions
-        self.refresh_s = refresh_s
         self.files: Mapping[str, TokenizerFiles] = {}
         self._blobs: dict[str, bytes] = {}  # sha256 -> bytes, of the sets held
-        self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._failing = False
         self.changed = asyncio.Event()  # set after every refresh that changed a set (tests)
-        self._listener = (
-            None
-            if not libpq_url
-            else Listener(
-                libpq_url,
-                [TOKENIZERS_CHANNEL],
-                application_name="llmgw-gateway-tokenizers",
-                on_notify=self._wake.set,
-                on_listening=self._wake.set,
-                backoff_base_s=_LISTEN_BACKOFF_BASE_S,
-                backoff_max_s=_LISTEN_BACKOFF_MAX_S,
-            )
-        )
-        self.listening = asyncio.Event() if self._listener is None else self._listener.listening
 
     async def refresh(self) -> None:
         async with self._sessions() as session, session.begin():
@@ -109,31 +93,5 @@ class TokenizerFilesCache:
             self.files = out
             self.changed.set()
 
-    async def _refresh_quietly(self) -> None:
-        try:
-            await self.refresh()
-            if self._failing:
-                log.info("gateway_tokenizer_files_restored", models=len(self.files))
-            self._failing = False
-        except Exception as exc:  # the database may be down: keep what we hold
-            if not self._failing:
-                log.warning("gateway_tokenizer_files_refresh_failed", error=type(exc).__name__)
-            self._failing = True
-
-    async def start(self) -> None:
-        await self._refresh_quietly()
-        self._tasks.append(asyncio.create_task(self._run(), name="gateway-tokenizers"))
-        if self._listener is not None:
-            self._tasks.append(
-                asyncio.create_task(self._listener.run(), name="gateway-tokenizers-listen")
-            )
-
-    async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        await cancel_and_wait(tasks)
-
-    async def _run(self) -> None:
-        while True:
-            await wait_event(self._wake, self.refresh_s)
-            self._wake.clear()
-            await self._refresh_quietly()
+    def holds(self) -> int:
+        return len(self.files)
