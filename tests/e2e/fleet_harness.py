@@ -195,12 +195,15 @@ class Fleet:
         """The first control plane still running: where admin calls and agents go."""
         return next(c for c in self.controlplanes if c.alive())
 
-    def start_agent(self, node: str, *, gpus: int, pool: str = "default") -> AgentProcess:
+    def start_agent(
+        self, node: str, *, gpus: int, pool: str = "default", via: ControlPlaneProc | None = None
+    ) -> AgentProcess:
+        """``via``: the control plane it registers and syncs with (default: ``cp``)."""
         token = self.token(pool=pool)
         base = agent_port_base()
         agent = AgentProcess(
             state_dir=self.tmp / f"{node}-state",
-            controlplane_url=self.cp.url,
+            controlplane_url=(via or self.cp).url,
             listen_port=free_port(),
             log_path=self.tmp / f"{node}.log",
             port_range=(base, base + 63),

@@ -44,8 +44,12 @@ def test_idle_to_zero_then_two_gateways_wake_one_replica_through_a_leader_kill(
     sim_fleet: Fleet,
 ) -> None:
     f = sim_fleet
-    cps = [f.start_controlplane("cp-a"), f.start_controlplane("cp-b")]
-    f.start_agent("node-a", gpus=2)
+    # The agent syncs with the one that does not lead: the kill below is about the leader's
+    # decision, not about an agent finding another control plane.
+    first = f.start_controlplane("cp-a")
+    f.until(first.leads, timeout_s=20, what="cp-a to lead")
+    cps = [first, f.start_controlplane("cp-b")]
+    f.start_agent("node-a", gpus=2, via=cps[1])
     f.sim_deployment("chat", replicas=1)
     version = f.admin("GET", "/deployments/chat")["version"]
     out = f.admin("PATCH", "/deployments/chat", {"version": version, "autoscale": POLICY})
@@ -55,8 +59,10 @@ def test_idle_to_zero_then_two_gateways_wake_one_replica_through_a_leader_kill(
     # Idle: suspended first (placement kept, not ready), then stopped.
     f.until(lambda: _suspended(f) == 1, timeout_s=20, what="the idle replica suspended")
     f.until(
-        lambda: (st := f.admin("GET", "/deployments/chat")["status"])["suspended_replicas"] == 1
-        and st["ready_replicas"] == 0,
+        lambda: (
+            (st := f.admin("GET", "/deployments/chat")["status"])["suspended_replicas"] == 1
+            and st["ready_replicas"] == 0
+        ),
         timeout_s=10,
         what="status to count one suspended, none ready",
     )
@@ -72,12 +78,17 @@ def test_idle_to_zero_then_two_gateways_wake_one_replica_through_a_leader_kill(
         try:
             r = httpx.post(
                 f"{url}/v1/chat/completions",
-                json={"model": "chat", "messages": [{"role": "user", "content": "hello"}],
-                      "max_tokens": 4},  # fmt: skip
+                json={
+                    "model": "chat",
+                    "messages": [{"role": "user", "content": "hello"}],
+                    "max_tokens": 4,
+                },  # fmt: skip
                 headers={"Authorization": f"Bearer {key}"},
                 timeout=60,
             )
-            answers[cp_name] = r.status_code
+            answers[cp_name] = (
+                r.status_code if r.status_code == 200 else f"{r.status_code} {r.text}"
+            )
         except httpx.HTTPError as exc:  # the gateway killed with its leader
             answers[cp_name] = type(exc).__name__
 
@@ -95,6 +106,7 @@ def test_idle_to_zero_then_two_gateways_wake_one_replica_through_a_leader_kill(
     )
     assert "woken" in woken[0][0] and "held with no ready replica" in woken[0][0], woken
     leader = f.until(lambda: next((c for c in cps if c.leads()), None), timeout_s=5, what="leader")
+    assert leader is first
     leader.kill9()
     survivor = next(c for c in cps if c is not leader)
     for t in threads:
