@@ -82,7 +82,7 @@ def test_idle_to_zero_then_two_gateways_wake_one_replica_through_a_leader_kill(
                     "model": "chat",
                     "messages": [{"role": "user", "content": "hello"}],
                     "max_tokens": 4,
-                },  # fmt: skip
+                },
                 headers={"Authorization": f"Bearer {key}"},
                 timeout=60,
             )
