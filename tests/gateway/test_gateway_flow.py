@@ -268,6 +268,7 @@ def test_a_request_for_a_model_with_no_ready_replica_is_held_then_answered(
         assert [r[0] for r in results] == [200, 200]
         assert all("[DONE]" in text for _, text, _ in results)
         assert woken == [1]  # the first held request wakes; the second finds it woken
+        assert 'llmgw_gateway_wake_seconds_count{model="m"} 1.0' in gw.metrics_text()
         wait_for(lambda: gw.gateway.flow.demand["m"].held == 0, timeout_s=5, what="none held")
 
 

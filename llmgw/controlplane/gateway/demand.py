@@ -59,6 +59,7 @@ class DemandReporter:
                 queued_prefill_tokens=d.queued_prefill_tokens,
                 uncached_prefill_tokens=d.uncached_prefill_tokens,
                 held=d.held,
+                engine_waiting=d.engine_waiting,
                 hit_rate=d.hit_rate,
             )
             for d in self._flow().snapshot()

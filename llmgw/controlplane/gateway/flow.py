@@ -80,6 +80,8 @@ class Demand:
     uncached_prefill_tokens: int = 0
     # Share of routed prompt tokens a replica's cache held (moving average); None: none yet.
     hit_rate: float | None = None
+    # What the model's engines reported waiting at the last scrape (their own queues).
+    engine_waiting: int = 0
 
 
 class FlowControl:
@@ -102,6 +104,8 @@ class FlowControl:
         self._drain: dict[str, DrainRate] = {}
         self.demand: dict[str, Demand] = {}
         self._queued_tokens: dict[str, int] = {}
+        # model -> clock() of its first held request while no replica was ready.
+        self._held_since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         # Called when a model's first request is held (no ready replica): wakes the leader.
         self.on_hold: Callable[[], None] | None = None
@@ -117,6 +121,12 @@ class FlowControl:
         self.windows.configure(ceilings.items())
         # Queues of names gone from the table keep their last route: they drain or time out.
         self._routes.update(table.routes)
+        now = self._clock()
+        for model in [m for m in self._held_since if table.routes.get(m) is not None]:
+            if table.routes[model].endpoints:
+                woke = now - self._held_since.pop(model)
+                self._metrics.observe(self._metrics.wake_seconds, woke, model)
+                log.info("gateway_model_woken", model=model, waited_s=round(woke, 3))
         self.dispatch()
 
     async def start(self, refresh: Callable[[], object] | None = None) -> None:
@@ -199,6 +209,7 @@ class FlowControl:
         if not route.endpoints:
             if not demand.held and self.on_hold is not None:
                 self.on_hold()
+            self._held_since.setdefault(model, now)
             demand.held = len(queue)
         metrics = self._metrics
         metrics.add(metrics.queue_requests, 1, model, key_id)
@@ -305,6 +316,10 @@ class FlowControl:
             demand.queued = len(self._queues.get(model) or ())
             demand.in_flight = sum(load.in_flight.get(ep.replica, 0) for ep in route.endpoints)
             demand.held = 0 if route.endpoints else demand.queued
+            if not route.endpoints and not demand.queued:
+                self._held_since.pop(model, None)  # they gave up: the next wait starts anew
+            metrics.gauge(metrics.held_requests, demand.held, model)
+            demand.engine_waiting = sum(load.waiting.get(ep.replica, 0) for ep in route.endpoints)
             # What was sent and is not past prefill is exactly the uncached part (the router
             # counts a request's computed tokens); what waits here is discounted by hit rate.
             sent = int(sum(load.prefill.get(ep.replica, 0.0) for ep in route.endpoints))

@@ -45,8 +45,7 @@ class DemandRow:
     uncached_prefill_tokens: int = 0
     # Requests queued for a model with no ready replica (a subset of queued).
     held: int = 0
-    # Running + waiting the engines reported at the last scrape, less this gateway's in
-    # flight: an estimate of what waits in the engines' own queues.
+    # What the model's engines reported waiting in their own queues at the last scrape.
     engine_waiting: int = 0
     hit_rate: float | None = None
 
