@@ -47,7 +47,6 @@ import heapq
 import json
 import math
 import random
-import statistics
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmgw.controlplane.planner.autoscale import (  # noqa: E402
+from llmgw.controlplane.planner.autoscale import (
     AutoscalePolicy,
     DemandSample,
     History,
@@ -101,7 +100,9 @@ class Request:
     group: int
 
 
-def trace(duration_s: float, hour_s: float, peak_rps: float, groups: int, seed: int) -> list[Request]:
+def trace(
+    duration_s: float, hour_s: float, peak_rps: float, groups: int, seed: int
+) -> list[Request]:
     rng = random.Random(seed)
     out = []
     t = 0.0
@@ -179,7 +180,9 @@ class Model:
         while len(live) < serving:
             self.start(now)
             live.append(self.replicas[-1])
-        surplus = sorted(live, key=lambda r: (r.state == "ready", -r.since))[: max(0, len(live) - serving)]
+        surplus = sorted(live, key=lambda r: (r.state == "ready", -r.since))[
+            : max(0, len(live) - serving)
+        ]
         keep = max(0, placed - serving - len(asleep))
         for r in surplus:
             if r.state != "ready":
@@ -243,7 +246,7 @@ class Model:
         for r in self.replicas:
             while r.work and r.work[0][2] <= now:
                 r.work.popleft()
-            for start, first, _end in r.work:
+            for start, _first, _end in r.work:
                 in_flight += 1
                 if start > now:
                     waiting += 1
@@ -306,9 +309,9 @@ def keda(target_waiting: float, max_replicas: int) -> Policy:
     return p
 
 
-def llmgw(policy: AutoscalePolicy) -> Policy:
+def llmgw(policy: AutoscalePolicy, initial: int) -> Policy:
     samples: deque[DemandSample] = deque()
-    state = [ScaleState(desired=policy.min_replicas, warm=policy.min_replicas)]
+    state = [ScaleState(desired=initial, warm=initial)]
 
     def p(m: Model, now: float) -> tuple[int, int] | None:
         samples.append(m.sample(now))
@@ -316,7 +319,9 @@ def llmgw(policy: AutoscalePolicy) -> Policy:
             samples.popleft()
         st = state[0]
         d = decide(History(tuple(samples), st), policy, _T0 + timedelta(seconds=now))
-        state[0] = ScaleState(d.desired, d.warm, d.last_scaled_at, d.idle_since)
+        state[0] = ScaleState(
+            d.desired, d.warm, d.last_scaled_at, d.idle_since, suspended_since=d.suspended_since
+        )
         return (d.desired, d.warm)
 
     return p
@@ -402,7 +407,9 @@ def _report(m: Model, reqs: list[Request], slo_s: float) -> dict[str, Any]:
     }
 
 
-def _chart(args: argparse.Namespace, reqs: list[Request], runs: dict[str, Model], path: Path) -> str:
+def _chart(
+    args: argparse.Namespace, reqs: list[Request], runs: dict[str, Model], path: Path
+) -> str:
     try:
         import matplotlib
 
@@ -416,11 +423,18 @@ def _chart(args: argparse.Namespace, reqs: list[Request], runs: dict[str, Model]
     ax1.plot(xs, [rate_at(x, args.hour_s, args.peak_rps) for x in xs], color="black")
     ax1.set_ylabel("offered requests/s")
     for name, m in runs.items():
-        ax2.step([t for t, _, _ in m.timeline], [s for _, s, _ in m.timeline], where="post", label=f"{name} serving")
+        ax2.step(
+            [t for t, _, _ in m.timeline],
+            [s for _, s, _ in m.timeline],
+            where="post",
+            label=f"{name} serving",
+        )
         bins: dict[int, list[float]] = {}
         for at, t in m.ttft:
             bins.setdefault(int(at // 30), []).append(t)
-        ax3.plot([k * 30 for k in sorted(bins)], [_pct(bins[k], 0.9) for k in sorted(bins)], label=name)
+        ax3.plot(
+            [k * 30 for k in sorted(bins)], [_pct(bins[k], 0.9) for k in sorted(bins)], label=name
+        )
     ax2.set_ylabel("replicas serving")
     ax2.legend(fontsize=8)
     ax3.set_ylabel("TTFT p90 per 30 s (s)")
@@ -450,7 +464,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "fixed_max": (fixed(args.max_replicas), args.max_replicas),
         "fixed_min": (fixed(1), 1),
         "keda_waiting": (keda(args.keda_target_waiting, args.max_replicas), 1),
-        "llmgw": (llmgw(policy), 0),
+        # Every elastic policy starts where the KEDA rule must: one replica up.
+        "llmgw": (llmgw(policy, 1), 1),
     }
     runs = {name: simulate(args, reqs, p, initial) for name, (p, initial) in policies.items()}
     out: dict[str, Any] = {
@@ -467,8 +482,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fm, lg, kd = r["fixed_max"], r["llmgw"], r["keda_waiting"]
     wake_gaps = [g for g in lg["gaps"] if g["replica_was"] == "suspended"]
     out["ratios"] = {
-        "replica_seconds_saved_vs_fixed_max": round(1 - lg["replica_seconds"] / fm["replica_seconds"], 3),
-        "slo_attainment_vs_fixed_max": round(lg["slo_attainment"] / max(fm["slo_attainment"], 1e-9), 3),
+        "replica_seconds_saved_vs_fixed_max": round(
+            1 - lg["replica_seconds"] / fm["replica_seconds"], 3
+        ),
+        "slo_attainment_vs_fixed_max": round(
+            lg["slo_attainment"] / max(fm["slo_attainment"], 1e-9), 3
+        ),
         "replica_seconds_vs_keda": round(lg["replica_seconds"] / max(kd["replica_seconds"], 1), 3),
         "slo_attainment_vs_keda": round(lg["slo_attainment"] / max(kd["slo_attainment"], 1e-9), 3),
     }
@@ -487,7 +506,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--hours", type=float, default=6.0, help="compressed hours of the day")
     ap.add_argument("--hour-s", type=float, default=600.0, help="seconds per compressed hour")
     ap.add_argument("--peak-rps", type=float, default=24.0)

@@ -47,6 +47,7 @@ def upgrade() -> None:
         sa.Column("warm_replicas", sa.Integer(), nullable=False),
         sa.Column("last_scaled_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("idle_since", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("suspended_since", sa.DateTime(timezone=True), nullable=True),
         sa.Column("reason", sa.Text(), server_default="", nullable=False),
         sa.Column(
             "updated_at",

@@ -504,6 +504,7 @@ class AutoscaleStatusOut(_Response):
     warm_replicas: int = Field(description="Replicas kept placed: serving plus suspended.")
     last_scaled_at: datetime | None = None
     idle_since: datetime | None = None
+    suspended_since: datetime | None = None
     reason: str = Field(default="", description="Why the count last moved.")
     updated_at: datetime | None = None
 

@@ -13,6 +13,8 @@ counts exactly as it does on an operator's ``replicas``. Rules, in the order the
   with no window: the client waits for it (scale from zero);
 - idle: no request held, queued or in flight for ``zero_after_s`` stops every replica above
   ``min_replicas``; for ``suspend_after_s``, it suspends them (kept placed, engine asleep);
+  a suspended replica is stopped once it has been idle ``zero_after_s`` in all, even if the
+  deployment came back to life meanwhile with fewer replicas;
 - up: the recommendation (backlog / target per replica, the largest of the targets given)
   stayed above the serving count for the whole ``scale_up_window_s``; one step per window, at
   most doubling (HPA's default scale-up policy): a spike of one scrape never buys a fleet;
@@ -101,6 +103,8 @@ class ScaleState:
     warm: int
     last_scaled_at: datetime | None = None
     idle_since: datetime | None = None
+    # Since when replicas above `desired` are suspended (None: none is).
+    suspended_since: datetime | None = None
     # Why scaling is frozen now ("" = it is not): set by the shell from the rollout status.
     frozen: str = ""
 
@@ -121,6 +125,7 @@ class Decision:
     changed: bool
     # Set when this decision moved a count (the time the next window counts from).
     last_scaled_at: datetime | None = None
+    suspended_since: datetime | None = None
 
 
 def format_tokens(n: float) -> str:
@@ -206,7 +211,19 @@ def decide(history: History, policy: AutoscalePolicy, now: datetime) -> Decision
     def result(n: int, w: int, reason: str) -> Decision:
         w = max(w, n)
         changed = (n, w) != (st.desired, max(st.warm, st.desired))
-        return Decision(n, w, idle_since, reason, changed, now if changed else st.last_scaled_at)
+        # Since when replicas are suspended: set as the first is, kept while any stays.
+        asleep: datetime | None = None
+        if w > n:
+            asleep = st.suspended_since if warm > desired and st.suspended_since else now
+        return Decision(
+            n,
+            w,
+            idle_since,
+            reason,
+            changed,
+            now if changed else st.last_scaled_at,
+            suspended_since=asleep,
+        )
 
     def scaled(n: int, w: int, why: str) -> Decision:
         return result(n, w, f"scaled {desired}\u2192{n}: {why}")
@@ -237,17 +254,19 @@ def decide(history: History, policy: AutoscalePolicy, now: datetime) -> Decision
                 warm,
                 f"suspended: idle for {idle_s:.0f} s \u2265 suspend_after_s {p.suspend_after_s:g}",
             )
-    if (
-        warm > desired
-        and idle_s is not None
-        and p.zero_after_s is not None
-        and idle_s >= p.zero_after_s
-    ):
-        return result(
-            desired,
-            desired,
-            f"stopped {warm - desired} suspended replicas: idle for {idle_s:.0f} s \u2265 zero_after_s {p.zero_after_s:g}",
-        )
+    if warm > desired and p.zero_after_s is not None and st.suspended_since is not None:
+        # A suspended replica is an idle one: it was idle suspend_after_s when suspended, so
+        # it stops zero_after_s - suspend_after_s later, whether or not the deployment is
+        # idle now (a trickle keeping one replica busy must not keep seven asleep forever).
+        asleep_s = (now - st.suspended_since).total_seconds()
+        if asleep_s >= p.zero_after_s - (p.suspend_after_s or 0.0):
+            return result(
+                desired,
+                desired,
+                f"stopped {warm - desired} suspended replicas: idle for "
+                f"{asleep_s + (p.suspend_after_s or 0.0):.0f} s \u2265 zero_after_s "
+                f"{p.zero_after_s:g}",
+            )
 
     def settled(window_s: float) -> bool:
         return st.last_scaled_at is None or (now - st.last_scaled_at).total_seconds() >= window_s

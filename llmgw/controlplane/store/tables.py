@@ -310,6 +310,8 @@ class DeploymentAutoscale(Base):
     warm_replicas: Mapped[int] = mapped_column(Integer)
     last_scaled_at: Mapped[datetime | None] = mapped_column()
     idle_since: Mapped[datetime | None] = mapped_column()
+    # Since when replicas above desired are suspended (NULL: none is); they stop from it.
+    suspended_since: Mapped[datetime | None] = mapped_column()
     reason: Mapped[str] = mapped_column(Text, server_default="")
     updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 

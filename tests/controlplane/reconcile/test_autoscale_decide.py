@@ -130,10 +130,26 @@ def test_idle_suspends_then_stops_above_min() -> None:
     assert (d.desired, d.warm) == (0, 2)
     assert "suspended: idle for 300 s" in d.reason
     assert d.idle_since == at(0)
-    later = History(samples(300, 900), state(0, 2, idle_since=at(0), last_scaled_at=at(300)))
+    assert d.suspended_since == at(300)
+    later = History(
+        samples(300, 900),
+        state(0, 2, idle_since=at(0), last_scaled_at=at(300), suspended_since=d.suspended_since),
+    )
     z = decide(later, POLICY, at(900))
     assert (z.desired, z.warm) == (0, 0)
     assert "stopped 2 suspended replicas" in z.reason
+
+
+def test_suspended_replicas_stop_at_zero_after_s_even_when_a_trickle_returns() -> None:
+    # Suspended at 300 s; a trickle keeps one replica serving from 400 s: the other stays
+    # asleep until it has been idle zero_after_s (900 s) in all, then stops.
+    trickle = samples(400, 899, in_flight=1)
+    st = state(1, 3, idle_since=None, last_scaled_at=at(400), suspended_since=at(300))
+    before = decide(History(trickle, st), POLICY, at(899))
+    assert (before.desired, before.warm) == (1, 3) and before.suspended_since == at(300)
+    after = decide(History(trickle + samples(900, 900, in_flight=1), st), POLICY, at(900))
+    assert (after.desired, after.warm) == (1, 1) and after.suspended_since is None
+    assert after.reason == "stopped 2 suspended replicas: idle for 900 s \u2265 zero_after_s 900"
 
 
 def test_idle_with_min_replicas_keeps_min_serving() -> None:

@@ -89,6 +89,8 @@ class LoadedState:
     served: Mapping[DeploymentId, str] = field(default_factory=dict)
     # Autoscaled deployments -> the leader's last decision as stored (or where it starts).
     scale: Mapping[DeploymentId, ScaleState] = field(default_factory=dict)
+    # Those of them whose decision row exists (the others get one on the next pass).
+    scale_stored: frozenset[DeploymentId] = frozenset()
 
 
 async def load_snapshot(
@@ -128,6 +130,7 @@ async def load_snapshot(
         },
         served=deployments.served,
         scale=deployments.scale,
+        scale_stored=frozenset(deployments.stored),
     )
 
 
@@ -141,6 +144,7 @@ class _Deployments:
     unlaunchable: dict[DeploymentId, str] = field(default_factory=dict)
     served: dict[DeploymentId, str] = field(default_factory=dict)
     scale: dict[DeploymentId, ScaleState] = field(default_factory=dict)
+    stored: set[DeploymentId] = field(default_factory=set)
 
 
 async def _deployments(session: AsyncSession) -> _Deployments:
@@ -172,6 +176,8 @@ async def _deployments(session: AsyncSession) -> _Deployments:
                 warm_replicas=scale.warm,
             )
             out.scale[dep_id] = scale
+            if scaled is not None:
+                out.stored.add(dep_id)
             out.served[dep_id] = prof.served_model_name or model_name
         out.views.append(view)
         out.launch[dep_id] = (dep.name, launch.profile)
@@ -193,6 +199,7 @@ def _scale_state(dep: Deployment, row: DeploymentAutoscale | None) -> ScaleState
         warm=row.warm_replicas,
         last_scaled_at=row.last_scaled_at,
         idle_since=row.idle_since,
+        suspended_since=row.suspended_since,
     )
 
 

@@ -311,11 +311,11 @@ async def apply_scale(
     records = []
     for dep_id, dec in sorted(decisions.items()):
         st = state.scale.get(dep_id)
-        same = st is not None and (st.desired, st.warm, st.last_scaled_at, st.idle_since) == (
-            dec.desired,
-            dec.warm,
-            dec.last_scaled_at,
-            dec.idle_since,
+        same = (
+            st is not None
+            and dep_id in state.scale_stored
+            and (st.desired, st.warm, st.last_scaled_at, st.idle_since, st.suspended_since)
+            == (dec.desired, dec.warm, dec.last_scaled_at, dec.idle_since, dec.suspended_since)
         )
         if same and not dec.changed:
             continue
@@ -325,6 +325,7 @@ async def apply_scale(
             "warm_replicas": dec.warm,
             "last_scaled_at": dec.last_scaled_at,
             "idle_since": dec.idle_since,
+            "suspended_since": dec.suspended_since,
         }
         if dec.changed:
             row["reason"] = dec.reason[:4000]
