@@ -143,6 +143,9 @@ class Model:
     held_total: int = 0
     replica_s: float = 0.0
     serving_s: float = 0.0
+    suspended_s: float = 0.0
+    starting_s: float = 0.0
+    wakes: int = 0
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # t, serving, placed
     gaps: list[dict[str, Any]] = field(default_factory=list)
     next_id: int = 0
@@ -176,6 +179,7 @@ class Model:
         while len(live) < serving and asleep:
             r = asleep.pop(0)
             r.state, r.ready_at = "waking", now + a.wake_s
+            self.wakes += 1
             live.append(r)
         while len(live) < serving:
             self.start(now)
@@ -271,6 +275,8 @@ class Model:
         serving = len(self.ready(now))
         self.replica_s += placed * dt
         self.serving_s += serving * dt
+        self.suspended_s += sum(1 for r in self.replicas if r.state == "suspended") * dt
+        self.starting_s += sum(1 for r in self.replicas if r.state in ("starting", "waking")) * dt
         self.timeline.append((now, serving, placed))
 
 
@@ -401,6 +407,10 @@ def _report(m: Model, reqs: list[Request], slo_s: float) -> dict[str, Any]:
         "lost": m.lost,
         "replica_seconds": round(m.replica_s),
         "serving_replica_seconds": round(m.serving_s),
+        "suspended_replica_seconds": round(m.suspended_s),
+        "starting_replica_seconds": round(m.starting_s),
+        "cold_starts": m.next_id,
+        "wakes": m.wakes,
         "ttft_s": {"p50": round(_pct(ttfts, 0.5), 3), "p90": round(_pct(ttfts, 0.9), 3)},
         "slo_attainment": round(sum(1 for t in ttfts if t <= slo_s) / max(1, len(reqs)), 4),
         "gaps": [g for g in gaps if g.get("replica_was")],
@@ -524,11 +534,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queue-timeout-s", type=float, default=120.0)
     ap.add_argument("--tick-s", type=float, default=2.0)
     ap.add_argument("--slo-s", type=float, default=2.0, help="TTFT objective")
-    ap.add_argument("--target-tokens", type=int, default=8000)
+    ap.add_argument("--target-tokens", type=int, default=4000)
     ap.add_argument("--up-window-s", type=float, default=6.0)
     ap.add_argument("--down-window-s", type=float, default=120.0)
-    ap.add_argument("--suspend-after-s", type=float, default=60.0)
-    ap.add_argument("--zero-after-s", type=float, default=400.0)
+    ap.add_argument("--suspend-after-s", type=float, default=30.0)
+    ap.add_argument("--zero-after-s", type=float, default=200.0)
     ap.add_argument("--keda-target-waiting", type=float, default=4.0)
     ap.add_argument("--gap-s", type=float, default=30.0, help="an idle stretch this long is a gap")
     ap.add_argument("--seed", type=int, default=0)

@@ -198,3 +198,16 @@ def test_the_overload_bench_runs_every_level_and_gateway_count(tmp_path: Path) -
     assert set(report["runs"]) == {"1 gateway", "2 gateways"}
     chart = report["chart"]
     assert (chart == str(png) and png.stat().st_size > 0) or chart.startswith("skipped")
+
+
+def test_autoscale_bench_runs_every_policy_and_loses_nothing() -> None:
+    """bench/autoscale.py at a tiny size: every policy reports, llmgw's decider is driven
+    through zero and back, and no request is lost (the model drains before it stops)."""
+    bench = _load("autoscale")
+    args = bench.parse(["--hours", "6", "--hour-s", "40", "--peak-rps", "6"])
+    out = bench.run(args)
+    assert set(out["runs"]) == {"fixed_max", "fixed_min", "keda_waiting", "llmgw"}
+    for r in out["runs"].values():
+        assert r["lost"] == 0 and r["answered"] + r["failed"] == r["requests"]
+    assert out["runs"]["llmgw"]["held"] > 0  # it went to zero and held requests meanwhile
+    assert set(out["targets"]) >= {"zero_lost", "ahead_of_keda_on_both"}
