@@ -377,12 +377,21 @@ def test_an_autoscale_policy_applies_is_shown_and_is_validated(
     assert got["autoscale_status"] is None  # no decision yet
     assert got["status"]["suspended_replicas"] == 0
     assert _apply(client, docs)[0] == (0, "deployment", "unchanged")
-    # PATCH removes it in words of its own (an absent field leaves it as it is).
+    # PATCH removes it in words of its own (an absent field leaves it as it is), and the
+    # leader's last decision with it.
+    sql(
+        cp.db_url,
+        "INSERT INTO deployment_autoscale (deployment_id, desired_replicas, warm_replicas) "
+        "SELECT id, 3, 3 FROM deployments WHERE name = %s ON CONFLICT DO NOTHING",
+        (dep,),
+    )
     r = client.patch(
         f"/deployments/{dep}", json={"version": got["version"], "remove_autoscale": True}
     )
     assert r.status_code == 200, r.text
     assert r.json()["autoscale"] is None
+    where = "deployment_id = (SELECT id FROM deployments WHERE name = %s)"
+    assert count(cp.db_url, "deployment_autoscale", where, (dep,)) == 0
     bad = [
         ({"min_replicas": 3, "max_replicas": 2, "target_waiting_requests": 1},
          "max_replicas 2 is below min_replicas 3"),

@@ -111,7 +111,10 @@ async def save_deployment_changes(
     version: int | None,
     action: str = "update",
 ) -> tuple[DeploymentOut, bool]:
-    """Update a locked deployment; a real change bumps its generation in the same UPDATE."""
+    """Update a locked deployment; a real change bumps its generation in the same UPDATE.
+    Removing its autoscale policy forgets the leader's last decision too."""
+    if "autoscale" in changes and changes["autoscale"] is None and d.autoscale is not None:
+        await catalog.forget_autoscale(session, d.id)
     return await update(
         session,
         audit,

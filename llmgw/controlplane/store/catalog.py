@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.store.tables import (
@@ -47,6 +47,7 @@ __all__ = [
     "delete_model",
     "delete_profile",
     "deployments_of_profile",
+    "forget_autoscale",
     "get_deployment",
     "get_deployment_autoscale",
     "get_deployment_status",
@@ -194,6 +195,14 @@ async def get_deployment_autoscale(
 ) -> DeploymentAutoscale | None:
     """The leader's last autoscale decision for a deployment; None: none made (yet)."""
     return await session.get(DeploymentAutoscale, deployment_id)
+
+
+async def forget_autoscale(session: AsyncSession, deployment_id: Any) -> None:
+    """Drop the leader's last decision: a policy removed (and maybe given again later) must
+    start from the operator's `replicas`, not from a count decided under the old one."""
+    await session.execute(
+        delete(DeploymentAutoscale).where(DeploymentAutoscale.deployment_id == deployment_id)
+    )
 
 
 def bump_generation(deployment: Deployment) -> None:

@@ -45,8 +45,8 @@ class DeclaredRow:
 
     name: str
     adapters: tuple[tuple[str, str], ...] = ()
-    # The deployment has an autoscale policy: a request finding no ready replica is held
-    # (its demand wakes one), not refused at once.
+    # The deployment has an autoscale policy and is not suspended by an operator: a request
+    # finding no ready replica is held (its demand wakes one), not refused at once.
     autoscaled: bool = False
 
 
@@ -68,7 +68,7 @@ _READ = text(
 
 _DECLARED = text(
     "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters, "
-    "d.autoscale IS NOT NULL AS autoscaled "
+    "(d.autoscale IS NOT NULL AND d.state = 'active') AS autoscaled "
     "FROM deployments d JOIN models m ON m.id = d.model_id "
     "JOIN profiles p ON p.id = d.profile_id"
 )
