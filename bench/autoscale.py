@@ -50,7 +50,7 @@ import random
 import sys
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -323,7 +323,7 @@ def llmgw(policy: AutoscalePolicy, initial: int) -> Policy:
         samples.append(m.sample(now))
         while samples and (samples[-1].at - samples[0].at).total_seconds() > 3600:
             samples.popleft()
-        st = state[0]
+        st = replace(state[0], ready=len(m.ready(now)))
         d = decide(History(tuple(samples), st), policy, _T0 + timedelta(seconds=now))
         state[0] = ScaleState(
             d.desired, d.warm, d.last_scaled_at, d.idle_since, suspended_since=d.suspended_since
@@ -476,6 +476,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "keda_waiting": (keda(args.keda_target_waiting, args.max_replicas), 1),
         # Every elastic policy starts where the KEDA rule must: one replica up.
         "llmgw": (llmgw(policy, 1), 1),
+        # Not one of the four: the same decider kept at one replica like the KEDA rule, to
+        # tell what scaling to zero costs on this trace from what the signal gains.
+        "llmgw_min1": (llmgw(replace(policy, min_replicas=1), 1), 1),
     }
     runs = {name: simulate(args, reqs, p, initial) for name, (p, initial) in policies.items()}
     out: dict[str, Any] = {
@@ -534,7 +537,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queue-timeout-s", type=float, default=120.0)
     ap.add_argument("--tick-s", type=float, default=2.0)
     ap.add_argument("--slo-s", type=float, default=2.0, help="TTFT objective")
-    ap.add_argument("--target-tokens", type=int, default=4000)
+    ap.add_argument("--target-tokens", type=int, default=1000)
     ap.add_argument("--up-window-s", type=float, default=6.0)
     ap.add_argument("--down-window-s", type=float, default=120.0)
     ap.add_argument("--suspend-after-s", type=float, default=30.0)

@@ -206,7 +206,7 @@ def test_autoscale_bench_runs_every_policy_and_loses_nothing() -> None:
     bench = _load("autoscale")
     args = bench.parse(["--hours", "6", "--hour-s", "40", "--peak-rps", "6"])
     out = bench.run(args)
-    assert set(out["runs"]) == {"fixed_max", "fixed_min", "keda_waiting", "llmgw"}
+    assert set(out["runs"]) >= {"fixed_max", "fixed_min", "keda_waiting", "llmgw"}
     for r in out["runs"].values():
         assert r["lost"] == 0 and r["answered"] + r["failed"] == r["requests"]
     assert out["runs"]["llmgw"]["held"] > 0  # it went to zero and held requests meanwhile

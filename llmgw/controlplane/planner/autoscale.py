@@ -17,7 +17,9 @@ counts exactly as it does on an operator's ``replicas``. Rules, in the order the
   deployment came back to life meanwhile with fewer replicas;
 - up: the recommendation (backlog / target per replica, the largest of the targets given)
   stayed above the serving count for the whole ``scale_up_window_s``; one step per window, at
-  most doubling (HPA's default scale-up policy): a spike of one scrape never buys a fleet;
+  most doubling (HPA's default scale-up policy), and none while the last step's replicas are
+  not all serving (a cold start lets the backlog grow; stepping on it again overshoots): a
+  spike of one scrape never buys a fleet;
 - down: the recommendation at ``_DOWN_FILL`` of the target stayed below the serving count for
   the whole ``scale_down_window_s`` (the gap between the two fills is the hysteresis band).
   With ``suspend_after_s`` or ``zero_after_s`` set, this rule stops at one replica: the last
@@ -105,6 +107,8 @@ class ScaleState:
     idle_since: datetime | None = None
     # Since when replicas above `desired` are suspended (None: none is).
     suspended_since: datetime | None = None
+    # Replicas serving now (the shell counts them); None: unknown, nothing waits on it.
+    ready: int | None = None
     # Why scaling is frozen now ("" = it is not): set by the shell from the rollout status.
     frozen: str = ""
 
@@ -275,6 +279,10 @@ def decide(history: History, policy: AutoscalePolicy, now: datetime) -> Decision
     up_known = [s for s in up if s.known]
     if up_known and settled(p.scale_up_window_s):
         need = min(_need(s, p, 1.0) for s in up_known)
+        if need > desired and st.ready is not None and st.ready < desired:
+            # The last step is not serving yet: its backlog is what it was added for, and
+            # stepping again on it would buy replicas for a queue a start is about to drain.
+            return result(desired, warm, "")
         if need > desired:
             n = min(need, desired + max(1, desired), p.max_replicas)
             if n > desired:

@@ -25,6 +25,7 @@ from llmgw.controlplane.planner.autoscale import (
     ScaleState,
     decide,
 )
+from llmgw.controlplane.planner.replicas import serving
 from llmgw.controlplane.planner.snapshot import DeploymentId, Snapshot
 
 __all__ = ["DemandHistory", "ModelSignal", "scale_snapshot"]
@@ -109,12 +110,20 @@ def scale_snapshot(
     decisions by deployment. A deployment suspended as a whole is not decided on."""
     decisions: dict[DeploymentId, Decision] = {}
     views = []
+    ready: dict[DeploymentId, int] = {}
+    for r in snapshot.replicas:
+        if r.deployment_id is not None and serving(r):
+            ready[r.deployment_id] = ready.get(r.deployment_id, 0) + 1
     for d in snapshot.deployments:
         st = state.get(d.id)
         if d.autoscale is None or st is None or d.suspended:
             views.append(d)
             continue
-        st = replace(st, frozen=_frozen(d.status.reason, d.status.stalled, broken.get(d.id)))
+        st = replace(
+            st,
+            frozen=_frozen(d.status.reason, d.status.stalled, broken.get(d.id)),
+            ready=ready.get(d.id, 0),
+        )
         decision = decide(History(history.of(served.get(d.id, d.name)), st), d.autoscale, now)
         decisions[d.id] = decision
         views.append(replace(d, replicas=decision.desired, warm_replicas=decision.warm))

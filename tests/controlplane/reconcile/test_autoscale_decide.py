@@ -81,6 +81,15 @@ def test_one_step_per_window_at_most_doubling() -> None:
     assert decide(later, POLICY, at(60)).desired == 4
 
 
+def test_no_step_while_the_last_one_is_not_serving() -> None:
+    # 2 desired, 1 serving (the other still starting): the backlog it grows is not a reason
+    # to double again; once both serve, the next step comes.
+    h = History(busy(0, 30, tokens=1_000_000), state(2, ready=1))
+    assert decide(h, POLICY, at(30)).changed is False
+    h2 = History(busy(0, 30, tokens=1_000_000), state(2, ready=2))
+    assert decide(h2, POLICY, at(30)).desired == 4
+
+
 def test_never_above_max() -> None:
     h = History(busy(0, 30, tokens=10_000_000), state(6))
     assert decide(h, POLICY, at(30)).desired == 8
