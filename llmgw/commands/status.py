@@ -116,6 +116,8 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
                 "rollout": rollout_text(d),
                 "stalled": bool(st.get("stalled")),
                 "reason": st.get("reason") or "",
+                "suspended": int(st.get("suspended_replicas") or 0),
+                "autoscale": _autoscale(d),
             }
         )
     rates = _metrics(conn)
@@ -138,6 +140,22 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
         "deployments": out_deployments,
         "shards": shards,
         "prefix_routing": rates,
+    }
+
+
+def _autoscale(d: dict[str, Any]) -> dict[str, Any] | None:
+    """An autoscaled deployment's policy bounds and the leader's last decision; None: fixed."""
+    policy = d.get("autoscale")
+    if not isinstance(policy, dict):
+        return None
+    last = d.get("autoscale_status") or {}
+    return {
+        "min": policy.get("min_replicas"),
+        "max": policy.get("max_replicas"),
+        "desired": last.get("desired_replicas", d.get("replicas")),
+        "warm": last.get("warm_replicas", d.get("replicas")),
+        "last_scaled_at": last.get("last_scaled_at"),
+        "reason": last.get("reason") or "",
     }
 
 
@@ -237,17 +255,54 @@ def render(data: dict[str, Any]) -> str:
         )
     )
     demand = data.get("demand")
+    scaled = [d for d in data["deployments"] if d.get("autoscale")]
+    if scaled:
+        held = {m["model"]: m.get("held", 0) for m in demand or []}
+        parts.append(f"\nAUTOSCALING ({len(scaled)})")
+        parts.append(
+            _table(
+                ["NAME", "MIN..MAX", "DESIRED", "READY", "SUSPENDED", "HELD", "LAST", "REASON"],
+                [
+                    [
+                        d["name"],
+                        f"{d['autoscale']['min']}..{d['autoscale']['max']}",
+                        d["autoscale"]["desired"],
+                        d["ready"],
+                        d["suspended"],
+                        held.get(d["model"], 0),
+                        _age(d["autoscale"]["last_scaled_at"])
+                        if d["autoscale"]["last_scaled_at"]
+                        else "-",
+                        _short(d["autoscale"]["reason"], 70),
+                    ]
+                    for d in scaled
+                ],
+            )
+        )
     if demand:
         parts.append("\nGATEWAY DEMAND (every gateway reporting)")
         parts.append(
             _table(
-                ["MODEL", "STATE", "QUEUED", "IN FLIGHT", "SHED", "SATURATED FOR"],
+                [
+                    "MODEL",
+                    "STATE",
+                    "QUEUED",
+                    "HELD",
+                    "IN FLIGHT",
+                    "PREFILL",
+                    "UNCACHED",
+                    "SHED",
+                    "SATURATED FOR",
+                ],
                 [
                     [
                         m["model"],
                         "saturated" if m.get("saturated") else "ok",
                         m.get("queued", 0),
+                        m.get("held", 0),
                         m.get("in_flight", 0),
+                        m.get("queued_prefill_tokens", 0),
+                        m.get("uncached_prefill_tokens", 0),
                         m.get("shed", 0),
                         _age(m.get("saturated_since")) if m.get("saturated") else "-",
                     ]

@@ -20,6 +20,7 @@ from pydantic import (
     StringConstraints,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from llmgw.controlplane.store.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
@@ -28,6 +29,8 @@ from llmgw.engines import MAX_HASH_SEED, canonical_engine, is_valid_hash_seed
 __all__ = [
     "LIMITS",
     "AdapterBody",
+    "AutoscaleBody",
+    "AutoscaleStatusOut",
     "DeploymentCreate",
     "DeploymentOut",
     "DeploymentStatusOut",
@@ -360,6 +363,74 @@ def check_rollout_budget(surge: str | None, unavailable: str | None) -> None:
         )
 
 
+# An hour: longer windows would need a history the leader keeps in memory for each model.
+_MAX_WINDOW_S = 3600
+# A week: longer than any idle gap worth keeping a replica placed for.
+_MAX_IDLE_S = 7 * 24 * 3600
+
+
+class AutoscaleBody(_Request):
+    """A deployment's ``autoscale:`` mapping: replicas follow the gateways' demand between
+    ``min_replicas`` and ``max_replicas``; ``replicas`` is only where they start."""
+
+    min_replicas: int = Field(ge=0, le=10_000, description="0 allows scale to zero.")
+    max_replicas: int = Field(ge=1, le=10_000)
+    target_queued_prefill_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000_000,
+        description="Per serving replica: prompt tokens waiting for prefill that no prefix "
+        "cache holds.",
+    )
+    target_waiting_requests: float | None = Field(
+        default=None,
+        gt=0,
+        le=1_000_000,
+        description="Per serving replica: requests not yet running (queued or held).",
+    )
+    scale_up_window_s: float = Field(
+        default=30, ge=0, le=_MAX_WINDOW_S,
+        description="Demand must stay above the target this long before a step up.",
+    )  # fmt: skip
+    scale_down_window_s: float = Field(
+        default=300, ge=0, le=_MAX_WINDOW_S,
+        description="Demand must stay below the target this long before a step down.",
+    )  # fmt: skip
+    suspend_after_s: float | None = Field(
+        default=None, gt=0, le=_MAX_IDLE_S,
+        description="Idle this long: replicas above min suspended (engine asleep, kept "
+        "placed; engines without a suspend are stopped).",
+    )  # fmt: skip
+    zero_after_s: float | None = Field(
+        default=None, gt=0, le=_MAX_IDLE_S,
+        description="Idle this long: replicas above min stopped.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _coherent(self) -> AutoscaleBody:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas {self.max_replicas} is below min_replicas {self.min_replicas}; "
+                "give max_replicas >= min_replicas"
+            )
+        if self.target_queued_prefill_tokens is None and self.target_waiting_requests is None:
+            raise ValueError(
+                "autoscale needs a target to scale on: give target_queued_prefill_tokens "
+                "(e.g. 8000) and/or target_waiting_requests (e.g. 4)"
+            )
+        if (
+            self.suspend_after_s is not None
+            and self.zero_after_s is not None
+            and self.zero_after_s < self.suspend_after_s
+        ):
+            raise ValueError(
+                f"zero_after_s {self.zero_after_s:g} is shorter than suspend_after_s "
+                f"{self.suspend_after_s:g}: a replica would stop before it could be suspended; "
+                "give zero_after_s >= suspend_after_s"
+            )
+        return self
+
+
 class DeploymentCreate(_Request):
     name: Name
     model: Name
@@ -372,6 +443,9 @@ class DeploymentCreate(_Request):
     )
     progress_deadline_s: int = Field(default=600, gt=0, le=_INT32_MAX)
     state: Literal["active", "suspended"] = "active"
+    autoscale: AutoscaleBody | None = Field(
+        default=None, description="Demand-driven replicas; without it `replicas` is fixed."
+    )
 
     @field_validator("max_unavailable")
     @classmethod
@@ -391,6 +465,11 @@ class DeploymentUpdate(_Request):
     max_unavailable: RolloutBudget | None = None
     progress_deadline_s: int | None = Field(default=None, gt=0, le=_INT32_MAX)
     state: Literal["active", "suspended"] | None = None
+    autoscale: AutoscaleBody | None = None
+    # PATCH leaves an absent field as it is, so removing the policy needs its own word.
+    remove_autoscale: bool = Field(
+        default=False, description="Drop the autoscale policy: `replicas` is fixed again."
+    )
 
 
 class ScaleBody(_Request):
@@ -408,10 +487,25 @@ class DeploymentStatusOut(_Response):
     updated_replicas: int = Field(default=0, description="Replicas on the current fingerprint.")
     available_replicas: int = 0
     unavailable_replicas: int = 0
+    suspended_replicas: int = Field(
+        default=0, description="Replicas kept placed with their engines suspended."
+    )
     stalled: bool = Field(default=False, description="The progress deadline passed.")
     reason: str = Field(
         default="", description="Why it is not done: unplaceable replicas, a stall, a crash loop."
     )
+    updated_at: datetime | None = None
+
+
+class AutoscaleStatusOut(_Response):
+    """The autoscaler's view of a deployment, as the leader last decided it."""
+
+    desired_replicas: int = Field(description="Replicas that should serve now.")
+    warm_replicas: int = Field(description="Replicas kept placed: serving plus suspended.")
+    last_scaled_at: datetime | None = None
+    idle_since: datetime | None = None
+    suspended_since: datetime | None = None
+    reason: str = Field(default="", description="Why the count last moved.")
     updated_at: datetime | None = None
 
 
@@ -427,6 +521,10 @@ class DeploymentOut(_Response):
     state: str
     generation: int = Field(description="Bumped by every change of the spec or of its profile.")
     status: DeploymentStatusOut
+    autoscale: AutoscaleBody | None = None
+    autoscale_status: AutoscaleStatusOut | None = Field(
+        default=None, description="The leader's last decision; None: not autoscaled."
+    )
     version: int
     created_at: datetime
     updated_at: datetime

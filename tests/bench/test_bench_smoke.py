@@ -249,3 +249,16 @@ def test_the_sweep_report_judges_each_rate_and_charts_it(tmp_path: Path) -> None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     q = routing._quantiles({0.001: 0.0, math.inf: 0.0}, {0.001: 60.0, 0.005: 99.0, math.inf: 100.0})
     assert q == {"count": 100, "p50_ms_at_most": 1.0, "p99_ms_at_most": 5.0}
+
+
+def test_autoscale_bench_runs_every_policy_and_loses_nothing() -> None:
+    """bench/autoscale.py at a tiny size: every policy reports, llmgw's decider is driven
+    through zero and back, and no request is lost (the model drains before it stops)."""
+    bench = _load("autoscale")
+    args = bench.parse(["--hours", "6", "--hour-s", "40", "--peak-rps", "6"])
+    out = bench.run(args)
+    assert set(out["runs"]) >= {"fixed_max", "fixed_min", "keda_waiting", "llmgw"}
+    for r in out["runs"].values():
+        assert r["lost"] == 0 and r["answered"] + r["failed"] == r["requests"]
+    assert out["runs"]["llmgw"]["held"] > 0  # it went to zero and held requests meanwhile
+    assert set(out["targets"]) >= {"zero_lost", "ahead_of_keda_on_both"}

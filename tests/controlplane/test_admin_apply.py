@@ -3,6 +3,7 @@ created / configured / unchanged, dry runs that write nothing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -359,3 +360,53 @@ def test_max_in_flight_is_configured_without_a_roll(client: httpx.Client, cp: Co
     assert client.get(f"/deployments/{dep}").json()["generation"] == 1
     r = client.patch(f"/profiles/{profile}", json={"version": p["version"], "max_in_flight": 0})
     assert r.status_code == 200 and r.json()["fingerprint"] == stored["fingerprint"], r.text
+
+
+def test_an_autoscale_policy_applies_is_shown_and_is_validated(
+    client: httpx.Client, cp: ControlPlane
+) -> None:
+    model, profile, dep = name("m"), name("p"), name("d")
+    policy = {"min_replicas": 0, "max_replicas": 4, "target_queued_prefill_tokens": 8000,
+              "suspend_after_s": 60, "zero_after_s": 600}  # fmt: skip
+    docs = _docs(model, profile, dep)
+    docs[0]["autoscale"] = policy
+    assert _apply(client, docs)[0] == (0, "deployment", "created")
+    got = client.get(f"/deployments/{dep}").json()
+    assert got["autoscale"] == {**policy, "target_waiting_requests": None,
+                                "scale_up_window_s": 30.0, "scale_down_window_s": 300.0}  # fmt: skip
+    assert got["autoscale_status"] is None  # no decision yet
+    assert got["status"]["suspended_replicas"] == 0
+    assert _apply(client, docs)[0] == (0, "deployment", "unchanged")
+    # PATCH removes it in words of its own (an absent field leaves it as it is), and the
+    # leader's last decision with it.
+    sql(
+        cp.db_url,
+        "INSERT INTO deployment_autoscale (deployment_id, desired_replicas, warm_replicas) "
+        "SELECT id, 3, 3 FROM deployments WHERE name = %s ON CONFLICT DO NOTHING",
+        (dep,),
+    )
+    r = client.patch(
+        f"/deployments/{dep}", json={"version": got["version"], "remove_autoscale": True}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["autoscale"] is None
+    where = "deployment_id = (SELECT id FROM deployments WHERE name = %s)"
+    assert count(cp.db_url, "deployment_autoscale", where, (dep,)) == 0
+    bad = [
+        ({"min_replicas": 3, "max_replicas": 2, "target_waiting_requests": 1},
+         "max_replicas 2 is below min_replicas 3"),
+        ({"min_replicas": 0, "max_replicas": 2}, "give target_queued_prefill_tokens"),
+        ({"min_replicas": 0, "max_replicas": 2, "target_waiting_requests": 1,
+          "suspend_after_s": 600, "zero_after_s": 60}, "give zero_after_s >= suspend_after_s"),
+        ({"min_replicas": 0, "max_replicas": 2, "target_waiting_requests": 1,
+          "scale_up_window_s": 7200}, "3600"),
+        ({"min_replicas": 0, "max_replicas": 2, "target_waiting_requests": 1, "cooldown": 5},
+         "cooldown"),
+    ]  # fmt: skip
+    for body, words in bad:
+        d = _docs(model, profile, dep)
+        d[0]["autoscale"] = body
+        r = client.post("/apply", json={"documents": d})
+        assert r.status_code == 422, r.text
+        text = json.dumps(r.json()["error"]["problems"])
+        assert words in text, text

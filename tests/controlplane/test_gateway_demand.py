@@ -63,5 +63,65 @@ def test_status_shows_a_saturated_model() -> None:
     )  # fmt: skip
     lines = screen.splitlines()
     assert "GATEWAY DEMAND" in screen
-    assert any(line.split()[:5] == ["m", "saturated", "50", "16", "3"] for line in lines)
+    # MODEL STATE QUEUED HELD IN-FLIGHT PREFILL UNCACHED SHED
+    want = ["m", "saturated", "50", "0", "16", "0", "0", "3"]
+    assert any(line.split()[:8] == want for line in lines)
     assert any(line.split()[:2] == ["n", "ok"] for line in lines)
+
+
+async def test_autoscale_fields_sum_or_take_the_largest_stale_rows_go_and_notify_wakes(
+    db_url: str,
+) -> None:
+    import psycopg
+
+    from llmgw.controlplane.store.demand import DEMAND_CHANNEL
+    from llmgw.embedded_postgres import libpq_url
+
+    engine = create_engine(db_url, pool_size=2)
+    sessions = session_factory(engine)
+    listener = await psycopg.AsyncConnection.connect(libpq_url(db_url), autocommit=True)
+    try:
+        await listener.execute(f"LISTEN {DEMAND_CHANNEL}")
+        async with sessions() as s, s.begin():
+            row = DemandRow("a", 3, 0, 0, 1.0, queued_prefill_tokens=900,
+                            uncached_prefill_tokens=600, held=3, engine_waiting=2, hit_rate=0.5)  # fmt: skip
+            await write_demand(s, "gw1", [row])
+            await write_demand(
+                s,
+                "gw2",
+                [
+                    DemandRow(
+                        "a",
+                        1,
+                        0,
+                        0,
+                        1.0,
+                        queued_prefill_tokens=100,
+                        uncached_prefill_tokens=100,
+                        held=1,
+                        engine_waiting=5,
+                        hit_rate=0.0,
+                    )
+                ],
+            )
+            await write_demand(s, "gone", [DemandRow("a", 0, 0, 0, None)])
+            await s.execute(
+                text("UPDATE gateway_demand SET updated_at = now() - interval '2 hours' "
+                     "WHERE instance_id = 'gone'")
+            )  # fmt: skip
+        async with sessions() as s, s.begin():
+            (a,) = [r for r in await read_demand(s, fresh_s=10) if r.model == "a"]
+            assert (a.queued_prefill_tokens, a.uncached_prefill_tokens, a.held) == (1000, 700, 4)
+            assert a.engine_waiting == 5  # the largest view: every gateway scrapes the same engines
+            assert a.hit_rate == pytest.approx(0.25)
+            # The next write of any instance deletes rows older than an hour of the others.
+            await write_demand(s, "gw1", [row], notify=True)
+        async with sessions() as s:
+            instances = set((await s.execute(select(GatewayDemand.instance_id))).scalars().all())
+        assert instances == {"gw1", "gw2"}
+        notifies = listener.notifies(timeout=5, stop_after=1)
+        got = [n.channel async for n in notifies]
+        assert got == [DEMAND_CHANNEL]
+    finally:
+        await listener.close()
+        await engine.dispose()

@@ -85,6 +85,7 @@ class ControlPlaneProc:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    public_url: str = ""  # its gateway (the OpenAI API)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -167,7 +168,8 @@ class Fleet:
             LLMGW_CONTROLPLANE__ADMIN_TOKEN=self.admin_token,
         )
         full.update(env or {})
-        args = ["--port", str(port), "--public-port", str(free_port())]
+        public_port = free_port()
+        args = ["--port", str(port), "--public-port", str(public_port)]
         if config is not None:
             args += ["--config", str(config)]
         with log.open("ab") as out:
@@ -177,7 +179,13 @@ class Fleet:
                 stdout=out,
                 stderr=out,
             )
-        cp = ControlPlaneProc(name=name, url=f"http://127.0.0.1:{port}", proc=proc, log=log)
+        cp = ControlPlaneProc(
+            name=name,
+            url=f"http://127.0.0.1:{port}",
+            proc=proc,
+            log=log,
+            public_url=f"http://127.0.0.1:{public_port}",
+        )
         self.controlplanes.append(cp)
         wait_http_ok(f"{cp.url}/readyz", timeout_s=60, proc=proc, log=log)
         return cp
@@ -187,12 +195,15 @@ class Fleet:
         """The first control plane still running: where admin calls and agents go."""
         return next(c for c in self.controlplanes if c.alive())
 
-    def start_agent(self, node: str, *, gpus: int, pool: str = "default") -> AgentProcess:
+    def start_agent(
+        self, node: str, *, gpus: int, pool: str = "default", via: ControlPlaneProc | None = None
+    ) -> AgentProcess:
+        """``via``: the control plane it registers and syncs with (default: ``cp``)."""
         token = self.token(pool=pool)
         base = agent_port_base()
         agent = AgentProcess(
             state_dir=self.tmp / f"{node}-state",
-            controlplane_url=self.cp.url,
+            controlplane_url=(via or self.cp).url,
             listen_port=free_port(),
             log_path=self.tmp / f"{node}.log",
             port_range=(base, base + 63),

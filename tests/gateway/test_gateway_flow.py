@@ -232,3 +232,55 @@ def test_busy_is_not_broken(load: int, want: int) -> None:
                 assert [s for s, _ in answers] == [502] * 3
                 assert gw.gateway.flow.windows.limit("r0") == 10
                 assert not gw.gateway.load.healthy("r0")
+
+
+def _wakeable(eps: tuple[object, ...]) -> object:
+    from llmgw.controlplane.gateway.routes import ModelRoute, RouteTable
+
+    return RouteTable({"m": ModelRoute("m", "m", None, eps, wakeable=True)}, 1.0)  # type: ignore[arg-type]
+
+
+def test_a_request_for_a_model_with_no_ready_replica_is_held_then_answered(
+    sims: list[SimProcess],
+) -> None:
+    """Scale from zero at the gateway: held (nothing sent to the client, the demand reporter
+    woken once), then routed as soon as the table has a ready replica."""
+    with serve_gateway(_wakeable(()), KEYS, settings=GatewaySettings()) as gw:  # type: ignore[arg-type]
+        woken: list[int] = []
+        gw.gateway.flow.on_hold = lambda: woken.append(1)
+
+        async def scenario() -> list[tuple[int, str, str | None]]:
+            async with aiohttp.ClientSession() as http:
+                tasks = [asyncio.create_task(_chat(http, gw.url, A)) for _ in range(2)]
+                flow = gw.gateway.flow
+                await asyncio.to_thread(
+                    wait_for,
+                    lambda: flow.demand["m"].held == 2,
+                    timeout_s=10,
+                    what="two requests held",
+                )
+                assert not any(t.done() for t in tasks)  # held: no status line yet
+                ep = replace(endpoint("r0", sims[0].base_url), max_in_flight=CEILING)
+                gw.gateway.routes.table = _wakeable((ep,))  # type: ignore[attr-defined]
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(scenario())
+        assert [r[0] for r in results] == [200, 200]
+        assert all("[DONE]" in text for _, text, _ in results)
+        assert woken == [1]  # the first held request wakes; the second finds it woken
+        assert 'llmgw_gateway_wake_seconds_count{model="m"} 1.0' in gw.metrics_text()
+        wait_for(lambda: gw.gateway.flow.demand["m"].held == 0, timeout_s=5, what="none held")
+
+
+def test_a_held_request_past_the_wait_bound_is_shed_with_retry_after() -> None:
+    settings = GatewaySettings(queue_timeout_s=0.5)
+    with serve_gateway(_wakeable(()), KEYS, settings=settings) as gw:  # type: ignore[arg-type]
+        r = httpx.post(
+            f"{gw.url}/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {_auth(A)}"},
+            timeout=10,
+        )
+        assert r.status_code == 503
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "model_overloaded"

@@ -97,3 +97,46 @@ def test_the_screen_says_how_each_model_is_tokenized() -> None:
     row = {"decisions": 1, "hits": 1, "precise": 1, "hit_rate": 1.0, "tokenizer": "local"}
     screen = render(_data({"demo": row}))
     assert "TOKENIZING" in screen and "local" in screen
+
+
+def test_an_autoscaled_deployment_shows_its_decision_and_held_requests() -> None:
+    data = _data({})
+    data["deployments"].append(
+        {
+            "name": "chat",
+            "model": "chat",
+            "desired": 1,
+            "ready": 0,
+            "updated": 0,
+            "rollout": "progressing",
+            "reason": "",
+            "suspended": 2,
+            "autoscale": {
+                "min": 0,
+                "max": 4,
+                "desired": 1,
+                "warm": 3,
+                "last_scaled_at": None,
+                "reason": "scaled 0\u21921: woken: 3 requests held with no ready replica",
+            },
+        }
+    )
+    data["demand"] = [
+        {
+            "model": "chat",
+            "queued": 3,
+            "held": 3,
+            "in_flight": 0,
+            "shed": 0,
+            "queued_prefill_tokens": 1200,
+            "uncached_prefill_tokens": 900,
+            "saturated": True,
+            "saturated_since": None,
+        },
+    ]
+    screen = render(data)
+    assert "AUTOSCALING (1)" in screen
+    row = next(line for line in screen.splitlines() if line.startswith("chat ") and "0..4" in line)
+    assert row.split()[:6] == ["chat", "0..4", "1", "0", "2", "3"]
+    assert "woken: 3 requests held" in screen
+    assert "UNCACHED" in screen and "900" in screen

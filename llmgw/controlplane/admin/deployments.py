@@ -28,6 +28,8 @@ from llmgw.controlplane.admin.common import (
     update,
 )
 from llmgw.controlplane.schemas import (
+    AutoscaleBody,
+    AutoscaleStatusOut,
     DeploymentCreate,
     DeploymentOut,
     DeploymentStatusOut,
@@ -37,7 +39,13 @@ from llmgw.controlplane.schemas import (
     check_rollout_budget,
 )
 from llmgw.controlplane.store import catalog
-from llmgw.controlplane.store.tables import Deployment, DeploymentStatus, Model, Profile
+from llmgw.controlplane.store.tables import (
+    Deployment,
+    DeploymentAutoscale,
+    DeploymentStatus,
+    Model,
+    Profile,
+)
 from llmgw.errors import SpecError
 
 __all__ = ["deployment_out", "router", "save_deployment_changes"]
@@ -46,7 +54,11 @@ router = APIRouter(tags=["deployments"])
 
 
 def _view(
-    d: Deployment, model_name: str, profile_name: str, status: DeploymentStatus | None
+    d: Deployment,
+    model_name: str,
+    profile_name: str,
+    status: DeploymentStatus | None,
+    scale: DeploymentAutoscale | None = None,
 ) -> DeploymentOut:
     return DeploymentOut(
         name=d.name,
@@ -62,6 +74,12 @@ def _view(
         status=(
             DeploymentStatusOut() if status is None else DeploymentStatusOut.model_validate(status)
         ),
+        autoscale=None if d.autoscale is None else AutoscaleBody.model_validate(d.autoscale),
+        autoscale_status=(
+            None
+            if d.autoscale is None or scale is None
+            else AutoscaleStatusOut.model_validate(scale)
+        ),
         version=d.version,
         created_at=d.created_at,
         updated_at=d.updated_at,
@@ -75,7 +93,8 @@ def deployment_out(session: AsyncSession) -> Callable[[Deployment], Awaitable[De
         model = await catalog.get_model_by_id(session, d.model_id)
         profile = await catalog.get_profile_by_id(session, d.profile_id)
         status = await catalog.get_deployment_status(session, d.id)
-        return _view(d, model.name, profile.name, status)
+        scale = await catalog.get_deployment_autoscale(session, d.id)
+        return _view(d, model.name, profile.name, status, scale)
 
     return view
 
@@ -92,7 +111,10 @@ async def save_deployment_changes(
     version: int | None,
     action: str = "update",
 ) -> tuple[DeploymentOut, bool]:
-    """Update a locked deployment; a real change bumps its generation in the same UPDATE."""
+    """Update a locked deployment; a real change bumps its generation in the same UPDATE.
+    Removing its autoscale policy forgets the leader's last decision too."""
+    if "autoscale" in changes and changes["autoscale"] is None and d.autoscale is not None:
+        await catalog.forget_autoscale(session, d.id)
     return await update(
         session,
         audit,
@@ -189,7 +211,13 @@ async def update_deployment(
     name: str, body: DeploymentUpdate, session: Session, audit: AuditOf
 ) -> DeploymentOut:
     d = await _locked(session, name)
-    changes = body.model_dump(exclude={"version", "profile"}, exclude_none=True)
+    changes = body.model_dump(exclude={"version", "profile", "remove_autoscale"}, exclude_none=True)
+    if body.remove_autoscale:
+        if body.autoscale is not None:
+            raise SpecError(
+                "autoscale and remove_autoscale together: give one of them", field="autoscale"
+            )
+        changes["autoscale"] = None
     if body.profile is not None:
         model = await catalog.get_model_by_id(session, d.model_id)
         changes["profile_id"] = (await profile_of_model(session, body.profile, model)).id

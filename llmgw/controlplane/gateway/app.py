@@ -199,7 +199,7 @@ class Gateway(Generic[K]):
         await self.load.start(http, self._ready_endpoints, s.load_scrape_s)
         self._table()
         self._sync_tokenizers()
-        await self.flow.start()
+        await self.flow.start(refresh=self._table)
         self._stats_task = asyncio.create_task(self._stats(), name="gateway-stats")
 
     async def shutdown(self) -> None:
@@ -367,7 +367,7 @@ class Gateway(Generic[K]):
         if route is None or (allowed is not None and model not in allowed):
             self.metrics.inc(self.metrics.requests, "_unknown", "", "404")
             raise GatewayError.model_not_found(model)
-        if not route.endpoints:
+        if not route.endpoints and not route.wakeable:  # wakeable: held, flow.py
             self.metrics.inc(self.metrics.requests, model, "", "503")
             raise GatewayError.no_ready_replica(model)
 
@@ -393,7 +393,7 @@ class Gateway(Generic[K]):
         # leaves, whether it waits in the queue (it leaves the queue at once) or is served.
         watch = DisconnectWatch(receive)
         try:
-            await flow.enter(route, key.key_id, _priority(key), body_bytes)
+            await flow.enter(route, key.key_id, _priority(key), body_bytes, prompt_estimate)
             granted = True
             # Routed by the rules as they stand when it leaves the queue.
             route = self._table().get(model) or route
@@ -407,6 +407,7 @@ class Gateway(Generic[K]):
             )
             prompt_tokens = chosen.prompt_tokens
             flow.charge(model, key.key_id, prompt_tokens)
+            flow.routed(model, prompt_tokens, chosen.prefill)
             payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             self.metrics.in_flight.inc()
             try:

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.gateway.flow import FlowControl
 from llmgw.controlplane.store.demand import DemandRow, write_demand
-from llmgw.eventloop import cancel_and_wait
+from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
 
 __all__ = ["DEMAND_PERIOD_S", "DemandReporter"]
@@ -41,6 +41,11 @@ class DemandReporter:
         self.period_s = period_s
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Report now, not at the next period: a request is held with no ready replica."""
+        self._wake.set()
 
     async def report(self) -> None:
         now = self._clock()
@@ -51,16 +56,27 @@ class DemandReporter:
                 d.in_flight,
                 d.shed,
                 None if d.saturated_since is None else max(0.0, now - d.saturated_since),
+                queued_prefill_tokens=d.queued_prefill_tokens,
+                uncached_prefill_tokens=d.uncached_prefill_tokens,
+                held=d.held,
+                engine_waiting=d.engine_waiting,
+                hit_rate=d.hit_rate,
             )
             for d in self._flow().snapshot()
         ]
+        # While anything is held the leader is woken on every report: a leader that took
+        # over meanwhile learns of it within a period, not only at its own tick.
+        notify = any(r.held for r in rows)
         async with self._sessions() as session, session.begin():
-            await write_demand(session, self._instance_id, rows)
+            await write_demand(session, self._instance_id, rows, notify=notify)
 
     async def start(self) -> None:
+        self._flow().on_hold = self.wake
+
         async def run() -> None:
             while True:
-                await asyncio.sleep(self.period_s)
+                await wait_event(self._wake, self.period_s)
+                self._wake.clear()
                 try:
                     await self.report()
                     self._failing = False

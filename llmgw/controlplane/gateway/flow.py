@@ -11,6 +11,12 @@ client leaves (the request's ``DisconnectWatch`` cancels it: it leaves the queue
 A request leaving the queue is routed by the normal rules at that moment, among the
 replicas with room.
 
+Scale from zero: a request for an autoscaled model (``ModelRoute.wakeable``) with no ready
+replica is *held* in the same queue, under the same bounds (503 + Retry-After past them),
+instead of an immediate 503. The first held request calls ``on_hold`` (the demand reporter
+writes at once and NOTIFYs the leader), and the ticker re-reads the route table (``refresh``)
+so held requests leave as soon as a replica is ready.
+
 The gateway's own upstream pool (``gateway.upstream_pool_size`` connections, all replicas)
 bounds the sum as well, less a reserve for the load scrape and tokenizing: a request past
 the pool would wait for a connection inside aiohttp, unfairly and against the connect
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmgw.config import GatewaySettings
 from llmgw.controlplane.gateway.admission import AdmissionWindows
@@ -53,6 +59,8 @@ _TICK_S = 0.2
 _POOL_RESERVE = 16
 _RETRY_AFTER_FLOOR_S = 1.0
 _RETRY_AFTER_CEILING_S = 60.0
+# Weight of each routed request in a model's moving hit rate (~the last 50).
+_HIT_WEIGHT = 0.02
 
 
 @dataclass(slots=True)
@@ -64,6 +72,16 @@ class Demand:
     in_flight: int = 0
     shed: int = 0  # requests shed since this process started
     saturated_since: float | None = None  # clock() when its queue last became non-empty
+    # Queued requests of a model with no ready replica (all of its queue, then).
+    held: int = 0
+    # Prompt tokens (estimated) queued here plus those sent and not past prefill; and the
+    # part of them no prefix cache holds (queued ones discounted by the model's hit rate).
+    queued_prefill_tokens: int = 0
+    uncached_prefill_tokens: int = 0
+    # Share of routed prompt tokens a replica's cache held (moving average); None: none yet.
+    hit_rate: float | None = None
+    # What the model's engines reported waiting at the last scrape (their own queues).
+    engine_waiting: int = 0
 
 
 class FlowControl:
@@ -85,7 +103,12 @@ class FlowControl:
         self._granted: dict[str, int] = {}
         self._drain: dict[str, DrainRate] = {}
         self.demand: dict[str, Demand] = {}
+        self._queued_tokens: dict[str, int] = {}
+        # model -> clock() of its first held request while no replica was ready.
+        self._held_since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
+        # Called when a model's first request is held (no ready replica): wakes the leader.
+        self.on_hold: Callable[[], None] | None = None
 
     # --- the table and the ticker ---------------------------------------------------------
 
@@ -98,14 +121,25 @@ class FlowControl:
         self.windows.configure(ceilings.items())
         # Queues of names gone from the table keep their last route: they drain or time out.
         self._routes.update(table.routes)
+        now = self._clock()
+        for model in [m for m in self._held_since if table.routes.get(m) is not None]:
+            if table.routes[model].endpoints:
+                woke = now - self._held_since.pop(model)
+                self._metrics.observe(self._metrics.wake_seconds, woke, model)
+                log.info("gateway_model_woken", model=model, waited_s=round(woke, 3))
         self.dispatch()
 
-    async def start(self) -> None:
+    async def start(self, refresh: Callable[[], object] | None = None) -> None:
+        """``refresh``: re-read the route table (it calls ``configure`` when it changed), so
+        held requests see a woken replica without a new request arriving."""
+
         async def tick() -> None:
             # Room also appears without a request of ours ending: a scrape shows other
             # gateways' requests gone, an AIMD limit grew back.
             while True:
                 await asyncio.sleep(_TICK_S)
+                if refresh is not None:
+                    refresh()
                 self.dispatch()
                 self._report()
                 for queue in self._queues.values():
@@ -144,13 +178,16 @@ class FlowControl:
         )
         return min(free - self._granted.get(route.name, 0), pool)
 
-    async def enter(self, route: ModelRoute, key_id: str, priority: int, size_bytes: int) -> None:
+    async def enter(
+        self, route: ModelRoute, key_id: str, priority: int, size_bytes: int, prompt_tokens: int = 0
+    ) -> None:
         """Return holding a grant for ``route``'s model (``release`` it when the request is
         sent or fails before), or raise the 503 that sheds it. Cancelled (the client left,
-        the process stops): leaves the queue at once."""
+        the process stops): leaves the queue at once. ``prompt_tokens``: its estimate, for
+        the demand the autoscaler reads."""
         model = route.name
         queue = self._queues.get(model)
-        if (queue is None or not queue) and self._model_room(route) > 0:
+        if route.endpoints and (queue is None or not queue) and self._model_room(route) > 0:
             self._granted[model] = self._granted.get(model, 0) + 1
             return
         s = self._settings
@@ -168,6 +205,12 @@ class FlowControl:
         demand = self.demand.setdefault(model, Demand(model))
         if demand.saturated_since is None:
             demand.saturated_since = now
+        self._queued_tokens[model] = self._queued_tokens.get(model, 0) + prompt_tokens
+        if not route.endpoints:
+            if not demand.held and self.on_hold is not None:
+                self.on_hold()
+            self._held_since.setdefault(model, now)
+            demand.held = len(queue)
         metrics = self._metrics
         metrics.add(metrics.queue_requests, 1, model, key_id)
         try:
@@ -183,6 +226,8 @@ class FlowControl:
                 queue.remove(entry)
             raise
         finally:
+            left = self._queued_tokens.get(model, 0) - prompt_tokens
+            self._queued_tokens[model] = max(0, left)
             metrics.add(metrics.queue_requests, -1, model, key_id)
             metrics.observe(metrics.queue_wait_seconds, self._clock() - now, model, key_id)
 
@@ -193,6 +238,19 @@ class FlowControl:
             self._granted[model] = left
         else:
             self._granted.pop(model, None)
+
+    def routed(self, model: str, prompt_tokens: int, prefill: float) -> None:
+        """A request was routed: ``prefill`` of its ``prompt_tokens`` are computed (the rest
+        a replica's prefix cache holds); feeds the model's hit rate."""
+        if prompt_tokens <= 0:
+            return
+        hit = max(0.0, min(1.0, 1.0 - prefill / prompt_tokens))
+        demand = self.demand.setdefault(model, Demand(model))
+        demand.hit_rate = (
+            hit
+            if demand.hit_rate is None
+            else demand.hit_rate + _HIT_WEIGHT * (hit - demand.hit_rate)
+        )
 
     def charge(self, model: str, key_id: str, tokens: int) -> None:
         """Tokens served to ``key_id`` on ``model``: what orders the queue's keys."""
@@ -257,6 +315,17 @@ class FlowControl:
             demand = self.demand.setdefault(model, Demand(model))
             demand.queued = len(self._queues.get(model) or ())
             demand.in_flight = sum(load.in_flight.get(ep.replica, 0) for ep in route.endpoints)
+            demand.held = 0 if route.endpoints else demand.queued
+            if not route.endpoints and not demand.queued:
+                self._held_since.pop(model, None)  # they gave up: the next wait starts anew
+            metrics.gauge(metrics.held_requests, demand.held, model)
+            demand.engine_waiting = sum(load.waiting.get(ep.replica, 0) for ep in route.endpoints)
+            # What was sent and is not past prefill is exactly the uncached part (the router
+            # counts a request's computed tokens); what waits here is discounted by hit rate.
+            sent = int(sum(load.prefill.get(ep.replica, 0.0) for ep in route.endpoints))
+            queued = self._queued_tokens.get(model, 0)
+            demand.queued_prefill_tokens = queued + sent
+            demand.uncached_prefill_tokens = sent + int(queued * (1.0 - (demand.hit_rate or 0.0)))
 
     def _replicas(self) -> Iterable[str]:
         seen: set[str] = set()
@@ -267,10 +336,7 @@ class FlowControl:
     def snapshot(self) -> list[Demand]:
         """Every model's demand now, for the periodic report to Postgres."""
         self._report()
-        return [
-            Demand(d.model, d.queued, d.in_flight, d.shed, d.saturated_since)
-            for d in self.demand.values()
-        ]
+        return [replace(d) for d in self.demand.values()]
 
 
 _SHED_WHY = {

@@ -37,7 +37,13 @@ from llmgw.controlplane.gateway.routes import Endpoint
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
-__all__ = ["LoadTracker", "RetryBudget", "parse_engine_load", "parse_max_model_len"]
+__all__ = [
+    "LoadTracker",
+    "RetryBudget",
+    "parse_engine_load",
+    "parse_engine_waiting",
+    "parse_max_model_len",
+]
 
 log = get_logger("llmgw.controlplane.gateway")
 
@@ -64,6 +70,21 @@ def parse_engine_load(body: bytes) -> int:
         if not line.startswith(_LOAD_PREFIXES):
             continue
         for name in _LOAD_METRICS:
+            if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
+                with contextlib.suppress(ValueError, IndexError):
+                    total += float(line.rsplit(None, 1)[1])
+    return int(total)
+
+
+# Waiting only (the engine's own queue: what a KEDA rule on vLLM scales on), summed too.
+_WAITING_METRICS = (b"vllm:num_requests_waiting", b"llamacpp:requests_deferred")
+
+
+def parse_engine_waiting(body: bytes) -> int:
+    """waiting alone from a Prometheus text exposition (summed over label sets)."""
+    total = 0.0
+    for line in body.splitlines():
+        for name in _WAITING_METRICS:
             if line.startswith(name) and line[len(name) : len(name) + 1] in (b"{", b" "):
                 with contextlib.suppress(ValueError, IndexError):
                     total += float(line.rsplit(None, 1)[1])
@@ -110,6 +131,8 @@ class LoadTracker:
         self._own_at_scrape: dict[str, int] = {}
         # replica -> prompt tokens of this gateway's requests not yet past their prefill.
         self.prefill: dict[str, float] = {}
+        # replica -> what its engine reported waiting alone (the autoscaler's demand rows).
+        self.waiting: dict[str, int] = {}
         self.mean_prefill = 0.0  # prompt tokens per request of ours, a running mean
         # replica -> its context length (max_model_len), asked once per replica.
         self.context: dict[str, int] = {}
@@ -225,9 +248,12 @@ class LoadTracker:
             metrics = await fetch(ep, "/metrics")
             if metrics is not None:
                 self.observed(ep.replica, parse_engine_load(metrics))
+                self.waiting[ep.replica] = parse_engine_waiting(metrics)
 
         await asyncio.gather(*(one(ep) for ep in eps))
         live = {ep.replica for ep in eps}
+        for gone in [r for r in self.waiting if r not in live]:
+            del self.waiting[gone]
         for gone in [r for r in self.engine if r not in live]:
             del self.engine[gone]
             self._own_at_scrape.pop(gone, None)

@@ -44,6 +44,8 @@ class GatewayMetrics:
     admission_limit: Gauge
     shed: Counter
     busy: Counter
+    held_requests: Gauge
+    wake_seconds: Histogram
     # (metric, label values) -> child: prometheus_client's labels() takes a lock and builds a
     # key on every call, a measurable share of the gateway's per-request CPU.
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
@@ -222,6 +224,20 @@ class GatewayMetrics:
                 "Refused or reset connections to a replica that reported itself loaded: its "
                 "admission limit halved instead of a failure counted.",
                 ["replica"],
+                registry=registry,
+            ),
+            held_requests=Gauge(
+                "llmgw_gateway_held_requests",
+                "Requests held for an autoscaled model with no ready replica, by model.",
+                ["model"],
+                registry=registry,
+            ),
+            wake_seconds=Histogram(
+                "llmgw_gateway_wake_seconds",
+                "From a model's first held request to its first ready replica (a scale from "
+                "zero or a wake from suspend, as this gateway saw it).",
+                ["model"],
+                buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
                 registry=registry,
             ),
         )

@@ -71,7 +71,10 @@ class ModelRoute:
     name: str  # what clients send as "model" (and what the engine answers to)
     base: str  # the served model name the adapter belongs to (== name for a model)
     lora: tuple[str, str] | None  # (adapter name, path) for an adapter name
-    endpoints: tuple[Endpoint, ...]  # ready replicas only; empty: 503
+    endpoints: tuple[Endpoint, ...]  # ready replicas only; empty: 503 (or held, below)
+    # An autoscaled deployment serves the name: with no ready replica a request waits in the
+    # queue while its demand wakes one (scale from zero), instead of an immediate 503.
+    wakeable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +119,12 @@ def build_table(
     """Pure: the rows of ``store.routes.read_routes`` (and ``read_declared``) -> the table."""
     models: dict[str, list[Endpoint]] = {}
     adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
+    wakeable: set[str] = set()
     for d in declared:
         models.setdefault(d.name, [])
+        if d.autoscaled:
+            wakeable.add(d.name)
+            wakeable.update(lora for lora, _ in d.adapters)
         for lora, path in d.adapters:
             adapters.setdefault(lora, (d.name, path, []))
     for row in rows:
@@ -150,13 +157,15 @@ def build_table(
                 lora_eps.append(ep)
     routes: dict[str, ModelRoute] = {}
     for name, eps in models.items():
-        routes[name] = ModelRoute(name, name, None, tuple(sorted(eps, key=lambda e: e.replica)))
+        routes[name] = ModelRoute(
+            name, name, None, tuple(sorted(eps, key=lambda e: e.replica)), name in wakeable
+        )
     for lora, (base, path, eps) in adapters.items():
         if lora in routes:
             log.warning("gateway_name_conflict", name=lora, kept="model", dropped="adapter")
             continue
         routes[lora] = ModelRoute(
-            lora, base, (lora, path), tuple(sorted(eps, key=lambda e: e.replica))
+            lora, base, (lora, path), tuple(sorted(eps, key=lambda e: e.replica)), lora in wakeable
         )
     return RouteTable(routes, read_at)
 

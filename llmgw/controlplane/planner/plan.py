@@ -188,10 +188,42 @@ class _Round:
         if d.suspended:
             self._suspended(d, c.current, [r for r, _ in c.old])
             return
-        for r in (*c.current, *(r for r, _ in c.old)):
-            if any(s.desired_state == "suspended" for s in r.shards):
-                self.actions.append(SetShardsDesiredState(r.id, "running", "deployment resumed"))
-        self._roll(d, list(c.current), list(c.old), avoid)
+        current = list(c.current)
+        if d.autoscale is not None:
+            asleep = self._autoscaled(d, current)
+            current = [r for r in current if r.id not in asleep]
+        else:
+            for r in (*c.current, *(r for r, _ in c.old)):
+                if _suspended(r):
+                    self.actions.append(
+                        SetShardsDesiredState(r.id, "running", "deployment resumed")
+                    )
+        self._roll(d, current, list(c.old), avoid)
+
+    def _autoscaled(self, d: DeploymentView, current: list[ReplicaView]) -> set[ReplicaId]:
+        """Wake suspended replicas while fewer than `replicas` run, and suspend serving ones
+        above it while fewer than `placed_replicas` are placed; the ids kept suspended (the
+        roll leaves them be). Suspended replicas not kept go to the roll as unready surplus:
+        stopped without being woken first."""
+        asleep = sorted((r for r in current if _suspended(r)), key=_age)
+        running = [r for r in current if not _suspended(r)]
+        wake = max(0, d.replicas - len(running))
+        for r in asleep[:wake]:
+            self.actions.append(
+                SetShardsDesiredState(r.id, "running", "autoscale: woken for demand")
+            )
+        asleep = asleep[wake:]
+        keep = max(0, d.placed_replicas - d.replicas)
+        kept = asleep[:keep]
+        surplus = sorted(running, key=_removal_order)[: max(0, len(running) - d.replicas)]
+        for r in [r for r in surplus if serving(r)][: keep - len(kept)]:
+            self.actions.append(
+                SetShardsDesiredState(
+                    r.id, "suspended", "autoscale: idle, kept placed with its engine suspended"
+                )
+            )
+            kept.append(r)
+        return {r.id for r in kept}
 
     def _suspended(
         self, d: DeploymentView, current: tuple[ReplicaView, ...], old: list[ReplicaView]
@@ -267,6 +299,10 @@ class _Round:
         for d in sorted(self.snap.deployments, key=lambda d: d.name):
             self.deployment(d, by_deployment.get(d.id, []))
         return self.actions
+
+
+def _suspended(r: ReplicaView) -> bool:
+    return any(s.desired_state == "suspended" for s in r.shards)
 
 
 def _age(r: ReplicaView) -> tuple[datetime, str]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, NewType
 
+from llmgw.controlplane.planner.autoscale import AutoscalePolicy
 from llmgw.engines.requirements import PlacementRequirements
 from llmgw.engines.spec import CPU_GPU_CLASS, ReplicaId, ShardId
 from llmgw.errors import ConfigError
@@ -137,6 +138,8 @@ class RolloutStatus:
     updated_replicas: int = 0
     available_replicas: int = 0
     unavailable_replicas: int = 0
+    # Active replicas kept placed with their engines suspended (not counted ready).
+    suspended_replicas: int = 0
     stalled: bool = False
     # Why the rollout is where it is, for people: placement explanations included.
     reason: str = ""
@@ -159,6 +162,18 @@ class DeploymentView:
     # Bumped on every admin edit; status.observed_generation echoes it.
     generation: int = 1
     status: RolloutStatus = field(default_factory=RolloutStatus)
+    # The autoscale policy; None: `replicas` is the operator's, fixed. With one, `replicas`
+    # is what the autoscaler decided should serve (planner/autoscale.py).
+    autoscale: AutoscalePolicy | None = None
+    # Replicas to keep placed, serving plus suspended (>= replicas); None: `replicas`. The
+    # ones above `replicas` are suspended, not drained: a wake is a resume, not a start.
+    warm_replicas: int | None = None
+
+    @property
+    def placed_replicas(self) -> int:
+        return (
+            self.replicas if self.warm_replicas is None else max(self.warm_replicas, self.replicas)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,8 +77,14 @@ def compute_status(
     updated = len(c.current)
     ready = sum(1 for r in active if serving(r))
     num_draining = sum(1 for r in replicas if r.state == "draining")
+    num_suspended = sum(1 for r in active if any(s.desired_state == "suspended" for s in r.shards))
+    # An autoscaler's suspended replicas are placed as desired: they count toward done.
+    placed = d.placed_replicas
     complete = (
-        not d.suspended and updated == d.replicas and len(active) == d.replicas and ready == updated
+        not d.suspended
+        and updated == placed
+        and len(active) == placed
+        and ready == updated - num_suspended
     )
     stored = d.status
     progressed = (
@@ -102,6 +108,8 @@ def compute_status(
         num_draining=num_draining,
         unplaced=unplaced,
     )
+    if num_suspended and not d.suspended:
+        reason = f"{reason}; {num_suspended} suspended"
     if stalled:
         reason = f"progress deadline {d.progress_deadline_s} s exceeded: {reason}"
     return RolloutStatus(
@@ -111,6 +119,7 @@ def compute_status(
         updated_replicas=updated,
         available_replicas=ready,
         unavailable_replicas=max(d.replicas - ready, 0),
+        suspended_replicas=num_suspended,
         stalled=stalled,
         reason=reason,
         progress_started_at=start,

@@ -5,11 +5,15 @@ Every control plane runs one; only the leader (``leader.py``) passes. A pass is:
     async with session.begin():
         await check_epoch(session, epoch)         # fenced: a stale leader writes nothing
         state = await load_snapshot(session, ...) # a constant number of queries
-        plan = compute_plan(state.snapshot, now)  # pure
+        history.record(now, await read_demand(session, ...))   # one more, autoscaling
+        snap, decisions = scale_snapshot(state.snapshot, history=history, ...)  # pure
+        plan = compute_plan(snap, now)            # pure
         await apply_plan(session, plan, state, epoch=epoch)
+        await apply_scale(session, decisions, state, epoch=epoch)
 
 Passes are woken by a periodic tick (APScheduler) and early by NOTIFY on the
-channel admin writes signal (``store.listen.Listener``). A notification is only a hint:
+channel admin writes signal and on the one a gateway holding a request for a model with no
+ready replica signals (``store.listen.Listener``). A notification is only a hint:
 lost or repeated ones do no harm, because each pass re-reads everything (level-triggered).
 A failing pass is retried on the next tick with a growing pause, never in a hot loop, and
 logged with its traceback.
@@ -31,12 +35,15 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from llmgw.controlplane.planner.autoscale import Decision
 from llmgw.controlplane.planner.plan import compute_plan
-from llmgw.controlplane.planner.snapshot import PlanSettings
+from llmgw.controlplane.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
+from llmgw.controlplane.planner.snapshot import DeploymentId, PlanSettings
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
 from llmgw.controlplane.store.catalog import CHANGE_CHANNEL
+from llmgw.controlplane.store.demand import DEMAND_CHANNEL, ModelDemand, read_demand
 from llmgw.controlplane.store.listen import Listener, ListenLog
-from llmgw.controlplane.store.reconcile import apply_plan, load_snapshot
+from llmgw.controlplane.store.reconcile import apply_plan, apply_scale, load_snapshot
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 
@@ -47,6 +54,9 @@ log = get_logger("llmgw.controlplane.reconcile")
 # After a failed pass: wait this long times 2**failures, capped, before the next try.
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 10.0
+# A gateway's demand row older than this is of a gateway that stopped or cannot write (they
+# write every 2 s): the autoscaler ignores it (admin.demand uses the same bound).
+_DEMAND_FRESH_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,8 @@ class ReconcileMetrics:
     duration: Histogram
     actions: Counter
     leader: Gauge
+    scale_decisions: Counter
+    desired_replicas: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ReconcileMetrics:
@@ -83,6 +95,18 @@ class ReconcileMetrics:
             leader=Gauge(
                 "llmgw_reconcile_leader",
                 "1 while this control plane leads the reconcile loop.",
+                registry=registry,
+            ),
+            scale_decisions=Counter(
+                "llmgw_autoscale_decisions_total",
+                "Autoscaler decisions that changed a deployment's replica count, by direction.",
+                ["deployment", "direction"],
+                registry=registry,
+            ),
+            desired_replicas=Gauge(
+                "llmgw_autoscale_desired_replicas",
+                "Replicas the autoscaler wants serving (warm: placed, suspended included).",
+                ["deployment", "kind"],
                 registry=registry,
             ),
         )
@@ -129,7 +153,7 @@ class Reconciler:
         # every pass reads everything and the tick runs one soon anyway.
         self._listener = Listener(
             libpq_url,
-            [CHANGE_CHANNEL],
+            [CHANGE_CHANNEL, DEMAND_CHANNEL],
             application_name=f"llmgw-listen-{instance_id}",
             on_notify=self._wake.set,
             backoff_base_s=_BACKOFF_BASE_S,
@@ -142,6 +166,8 @@ class Reconciler:
         self._observing_since: datetime | None = None
         self._scheduler: AsyncIOScheduler | None = None
         self.passes_applied = 0
+        # Only the leader's passes record; emptied when the lead is lost (a gap it cannot see).
+        self._history = DemandHistory()
 
     @property
     def epoch(self) -> int | None:
@@ -212,6 +238,7 @@ class Reconciler:
         epoch = self._lock.epoch
         if epoch is None or not await self._lock.still_held():
             self._observing_since = None
+            self._history.clear()
             epoch = await self._lock.try_acquire()
         self._metrics.leader.set(1 if epoch is not None else 0)
         if epoch is None:
@@ -242,9 +269,37 @@ class Reconciler:
                 state = await load_snapshot(
                     session, settings=settings, now=now, observing_since=self._observing_since
                 )
-                plan = compute_plan(state.snapshot, now)
+                snap = state.snapshot
+                decisions: dict[DeploymentId, Decision] = {}
+                if state.scale:
+                    demand = await read_demand(session, fresh_s=_DEMAND_FRESH_S)
+                    self._history.record(now, set(state.served.values()), _signals(demand))
+                    snap, decisions = scale_snapshot(
+                        state.snapshot,
+                        history=self._history,
+                        served=state.served,
+                        state=state.scale,
+                        broken=state.broken,
+                        now=now,
+                    )
+                plan = compute_plan(snap, now)
             if plan:
                 await apply_plan(session, plan, state, epoch=epoch)
+            if decisions:
+                await apply_scale(session, decisions, state, epoch=epoch)
+        names = {d.id: d.name for d in snap.deployments}
+        for dep_id, dec in decisions.items():
+            name = names.get(dep_id, "")
+            self._metrics.desired_replicas.labels(name, "serving").set(dec.desired)
+            self._metrics.desired_replicas.labels(name, "warm").set(dec.warm)
+            if dec.changed:
+                before = state.scale[dep_id].desired
+                direction = (
+                    "up" if dec.desired > before else "down" if dec.desired < before else "warm"
+                )
+                self._metrics.scale_decisions.labels(name, direction).inc()
+                log.info("autoscaled", deployment=name, desired=dec.desired, warm=dec.warm,
+                         reason=dec.reason)  # fmt: skip
         counts = plan.counts()
         self._metrics.passes.inc()
         self._metrics.duration.observe(time.perf_counter() - start)
@@ -256,3 +311,19 @@ class Reconciler:
         for deployment, why in state.broken.items():
             log.warning("profile_unlaunchable", deployment=deployment, reason=why)
         return counts
+
+
+def _signals(rows: list[ModelDemand]) -> dict[str, ModelSignal]:
+    """The gateways' summed rows as the autoscaler's signals: waiting is what the gateways
+    queue (held included) plus what the engines report waiting."""
+    return {
+        r.model: ModelSignal(
+            gateways=r.gateways,
+            waiting_requests=r.queued + r.engine_waiting,
+            queued_prefill_tokens=r.queued_prefill_tokens,
+            uncached_prefill_tokens=r.uncached_prefill_tokens,
+            in_flight=r.in_flight,
+            held=r.held,
+        )
+        for r in rows
+    }

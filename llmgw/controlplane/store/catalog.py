@@ -20,13 +20,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.store.tables import (
     AuditLog,
     ClusterInfo,
     Deployment,
+    DeploymentAutoscale,
     DeploymentStatus,
     GpuClass,
     Model,
@@ -46,7 +47,9 @@ __all__ = [
     "delete_model",
     "delete_profile",
     "deployments_of_profile",
+    "forget_autoscale",
     "get_deployment",
+    "get_deployment_autoscale",
     "get_deployment_status",
     "get_deployments",
     "get_model",
@@ -187,6 +190,21 @@ async def get_deployment_status(
     return await session.get(DeploymentStatus, deployment_id)
 
 
+async def get_deployment_autoscale(
+    session: AsyncSession, deployment_id: Any
+) -> DeploymentAutoscale | None:
+    """The leader's last autoscale decision for a deployment; None: none made (yet)."""
+    return await session.get(DeploymentAutoscale, deployment_id)
+
+
+async def forget_autoscale(session: AsyncSession, deployment_id: Any) -> None:
+    """Drop the leader's last decision: a policy removed (and maybe given again later) must
+    start from the operator's `replicas`, not from a count decided under the old one."""
+    await session.execute(
+        delete(DeploymentAutoscale).where(DeploymentAutoscale.deployment_id == deployment_id)
+    )
+
+
 def bump_generation(deployment: Deployment) -> None:
     """Mark a change of the deployment's spec; evaluated in SQL by the UPDATE that saves it."""
     deployment.generation = Deployment.generation + 1
@@ -240,20 +258,22 @@ async def list_profiles(
 
 async def list_deployments(
     session: AsyncSession, *, after: str | None = None, limit: int | None = None
-) -> list[tuple[Deployment, str, str, DeploymentStatus | None]]:
-    """Deployments with their model's and profile's names and their rollout status (None
-    before the reconciler's first pass), in one statement; pages as ``list_models``."""
+) -> list[tuple[Deployment, str, str, DeploymentStatus | None, DeploymentAutoscale | None]]:
+    """Deployments with their model's and profile's names, their rollout status (None
+    before the reconciler's first pass) and the autoscaler's last decision, in one
+    statement; pages as ``list_models``."""
     stmt = (
-        select(Deployment, Model.name, Profile.name, DeploymentStatus)
+        select(Deployment, Model.name, Profile.name, DeploymentStatus, DeploymentAutoscale)
         .join(Model, Deployment.model_id == Model.id)
         .join(Profile, Deployment.profile_id == Profile.id)
         .outerjoin(DeploymentStatus, DeploymentStatus.deployment_id == Deployment.id)
+        .outerjoin(DeploymentAutoscale, DeploymentAutoscale.deployment_id == Deployment.id)
         .order_by(Deployment.name)
         .limit(limit)
     )
     if after is not None:
         stmt = stmt.where(Deployment.name > after)
-    return [(d, m, p, st) for d, m, p, st in (await session.execute(stmt)).all()]
+    return [(d, m, p, st, a) for d, m, p, st, a in (await session.execute(stmt)).all()]
 
 
 async def cluster_kv_hash_seed(session: AsyncSession) -> str:

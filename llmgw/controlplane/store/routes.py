@@ -45,6 +45,9 @@ class DeclaredRow:
 
     name: str
     adapters: tuple[tuple[str, str], ...] = ()
+    # The deployment has an autoscale policy and is not suspended by an operator: a request
+    # finding no ready replica is held (its demand wakes one), not refused at once.
+    autoscaled: bool = False
 
 
 _READ = text(
@@ -64,7 +67,10 @@ _READ = text(
 
 
 _DECLARED = text(
-    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters "
+    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters, "
+    # jsonb_typeof: a deployment written without a policy may hold JSON null, not SQL NULL.
+    "(coalesce(jsonb_typeof(d.autoscale) = 'object', false) AND d.state = 'active') "
+    "AS autoscaled "
     "FROM deployments d JOIN models m ON m.id = d.model_id "
     "JOIN profiles p ON p.id = d.profile_id"
 )
@@ -81,7 +87,7 @@ async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
             for a in raw
             if isinstance(a, dict) and a.get("name")
         )
-        out.append(DeclaredRow(str(r.name), loras))
+        out.append(DeclaredRow(str(r.name), loras, bool(r.autoscaled)))
     return out
 
 

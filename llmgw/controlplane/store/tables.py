@@ -22,6 +22,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     ForeignKeyConstraint,
     Index,
@@ -47,6 +48,7 @@ __all__ = [
     "ClusterInfo",
     "ControlPlaneInstance",
     "Deployment",
+    "DeploymentAutoscale",
     "DeploymentStatus",
     "GatewayDemand",
     "GpuAssignment",
@@ -282,6 +284,36 @@ class Deployment(_Versioned, Base):
     # Bumped by every admin change of the deployment or its profile; the rollout status says
     # which generation it describes (observed_generation), as Kubernetes does.
     generation: Mapped[int] = mapped_column(BigInteger, server_default=text("1"))
+    # The document's `autoscale:` mapping as validated (schemas.AutoscaleBody); None: the
+    # replica count is `replicas`, fixed. With it, `replicas` is only where scaling starts.
+    autoscale: Mapped[dict[str, Any] | None] = mapped_column()
+
+
+class DeploymentAutoscale(Base):
+    """The leader's last autoscale decision for a deployment, written only in its fenced pass
+    (so a leader killed mid-scale leaves a count its successor converges on): how many
+    replicas serve (``desired_replicas``) and stay placed (``warm_replicas``: serving plus
+    suspended), when a count last moved (the windows count from it), since when the
+    deployment is idle (carried across leaders: the in-memory history is not)."""
+
+    __tablename__ = "deployment_autoscale"
+    __table_args__ = (
+        CheckConstraint(
+            "desired_replicas >= 0 AND warm_replicas >= desired_replicas", name="counts_ordered"
+        ),
+    )
+
+    deployment_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("deployments.id", ondelete="CASCADE"), primary_key=True
+    )
+    desired_replicas: Mapped[int] = mapped_column(Integer)
+    warm_replicas: Mapped[int] = mapped_column(Integer)
+    last_scaled_at: Mapped[datetime | None] = mapped_column()
+    idle_since: Mapped[datetime | None] = mapped_column()
+    # Since when replicas above desired are suspended (NULL: none is); they stop from it.
+    suspended_since: Mapped[datetime | None] = mapped_column()
+    reason: Mapped[str] = mapped_column(Text, server_default="")
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class DeploymentStatus(Base):
@@ -299,6 +331,8 @@ class DeploymentStatus(Base):
     updated_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     available_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     unavailable_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # Active replicas kept placed with their engines suspended (an autoscaler's idle ones).
+    suspended_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     stalled: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
     reason: Mapped[str] = mapped_column(Text, server_default="")
     # When the current unfinished stretch began or last made progress; NULL when complete.
@@ -675,6 +709,11 @@ class GatewayDemand(Base):
     __tablename__ = "gateway_demand"
     __table_args__ = (
         CheckConstraint("queued >= 0 AND in_flight >= 0 AND shed >= 0", name="counts_nonnegative"),
+        CheckConstraint(
+            "queued_prefill_tokens >= 0 AND uncached_prefill_tokens >= 0 AND held >= 0 "
+            "AND engine_waiting >= 0",
+            name="autoscale_counts_nonnegative",
+        ),
     )
 
     instance_id: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -685,6 +724,17 @@ class GatewayDemand(Base):
     shed: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     # Since when requests wait for the model (None: none waits).
     saturated_since: Mapped[datetime | None] = mapped_column()
+    # Prompt tokens of the requests queued here or sent and not past their prefill, and the
+    # part of them no prefix cache holds (what the autoscaler's prefill target reads).
+    queued_prefill_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    uncached_prefill_tokens: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # Requests waiting here for a model with no ready replica (scale from zero).
+    held: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # What the engines report waiting (the load scrape), as this gateway last saw it: every
+    # gateway scrapes the same engines, so readers take the largest, never the sum.
+    engine_waiting: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # Share of routed prompt tokens found in a replica's prefix cache; None: none routed.
+    hit_rate: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 

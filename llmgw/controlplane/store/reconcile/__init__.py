@@ -7,6 +7,13 @@ the pure planner (``llmgw.controlplane.planner``) does, its rules for reading ro
 """
 
 from llmgw.controlplane.store.reconcile.read import LoadedState, NodeFacts, load_snapshot
-from llmgw.controlplane.store.reconcile.write import ACTION_LOG_KEEP, apply_plan
+from llmgw.controlplane.store.reconcile.write import ACTION_LOG_KEEP, apply_plan, apply_scale
 
-__all__ = ["ACTION_LOG_KEEP", "LoadedState", "NodeFacts", "apply_plan", "load_snapshot"]
+__all__ = [
+    "ACTION_LOG_KEEP",
+    "LoadedState",
+    "NodeFacts",
+    "apply_plan",
+    "apply_scale",
+    "load_snapshot",
+]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -25,6 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.planner import intake
+from llmgw.controlplane.planner.autoscale import AutoscalePolicy, ScaleState
 from llmgw.controlplane.planner.intake import Device
 from llmgw.controlplane.planner.snapshot import (
     DeploymentId,
@@ -44,6 +45,7 @@ from llmgw.controlplane.planner.snapshot import (
 from llmgw.controlplane.profile_checks import LAUNCH_FIELDS, engine_profile
 from llmgw.controlplane.store.tables import (
     Deployment,
+    DeploymentAutoscale,
     DeploymentStatus,
     GpuAssignment,
     GpuClass,
@@ -83,6 +85,12 @@ class LoadedState:
     # Deployments whose profile cannot be launched -> why, for their status.
     broken: Mapping[DeploymentId, str] = field(default_factory=dict)
     replica_deployment: Mapping[ReplicaId, str] = field(default_factory=dict)
+    # Autoscaled deployments -> the model name clients send (what gateway_demand is keyed by).
+    served: Mapping[DeploymentId, str] = field(default_factory=dict)
+    # Autoscaled deployments -> the leader's last decision as stored (or where it starts).
+    scale: Mapping[DeploymentId, ScaleState] = field(default_factory=dict)
+    # Those of them whose decision row exists (the others get one on the next pass).
+    scale_stored: frozenset[DeploymentId] = frozenset()
 
 
 async def load_snapshot(
@@ -120,6 +128,9 @@ async def load_snapshot(
         replica_deployment={
             r.id: names.get(r.deployment_id, "") if r.deployment_id else "" for r in replicas
         },
+        served=deployments.served,
+        scale=deployments.scale,
+        scale_stored=frozenset(deployments.stored),
     )
 
 
@@ -131,29 +142,65 @@ class _Deployments:
     views: list[DeploymentView] = field(default_factory=list)
     launch: dict[DeploymentId, tuple[str, EngineProfile | None]] = field(default_factory=dict)
     unlaunchable: dict[DeploymentId, str] = field(default_factory=dict)
+    served: dict[DeploymentId, str] = field(default_factory=dict)
+    scale: dict[DeploymentId, ScaleState] = field(default_factory=dict)
+    stored: set[DeploymentId] = field(default_factory=set)
 
 
 async def _deployments(session: AsyncSession) -> _Deployments:
     rows = (
         await session.execute(
-            select(Deployment, Profile, Model.name, DeploymentStatus)
+            select(Deployment, Profile, Model.name, DeploymentStatus, DeploymentAutoscale)
             .join(Profile, Profile.id == Deployment.profile_id)
             .join(Model, Model.id == Deployment.model_id)
             .outerjoin(DeploymentStatus, DeploymentStatus.deployment_id == Deployment.id)
+            .outerjoin(DeploymentAutoscale, DeploymentAutoscale.deployment_id == Deployment.id)
             .order_by(Deployment.name)
         )
     ).all()
     out = _Deployments()
-    for dep, prof, model_name, status in rows:
+    for dep, prof, model_name, status, scaled in rows:
         dep_id = DeploymentId(str(dep.id))
         launch = intake.launch_of(
             prof.name, prof.gpu_class, partial(_engine_profile, prof, model_name)
         )
         if launch.refusal:
             out.unlaunchable[dep_id] = launch.refusal
-        out.views.append(_deployment_view(dep_id, dep, prof, launch.requirements, status))
+        view = _deployment_view(dep_id, dep, prof, launch.requirements, status)
+        if dep.autoscale is not None:
+            scale = _scale_state(dep, scaled)
+            view = replace(
+                view,
+                autoscale=_policy(dep.autoscale),
+                replicas=scale.desired,
+                warm_replicas=scale.warm,
+            )
+            out.scale[dep_id] = scale
+            if scaled is not None:
+                out.stored.add(dep_id)
+            out.served[dep_id] = prof.served_model_name or model_name
+        out.views.append(view)
         out.launch[dep_id] = (dep.name, launch.profile)
     return out
+
+
+def _policy(doc: Mapping[str, Any]) -> AutoscalePolicy:
+    """The stored mapping (validated by schemas.AutoscaleBody on the way in) as the decider's
+    policy; keys a later release added and this one does not know are ignored."""
+    known = set(AutoscalePolicy.__dataclass_fields__)
+    return AutoscalePolicy(**{k: v for k, v in doc.items() if k in known})
+
+
+def _scale_state(dep: Deployment, row: DeploymentAutoscale | None) -> ScaleState:
+    if row is None:  # no decision yet: the operator's replicas are where it starts
+        return ScaleState(desired=dep.replicas, warm=dep.replicas)
+    return ScaleState(
+        desired=row.desired_replicas,
+        warm=row.warm_replicas,
+        last_scaled_at=row.last_scaled_at,
+        idle_since=row.idle_since,
+        suspended_since=row.suspended_since,
+    )
 
 
 def _engine_profile(p: Profile, model_name: str) -> EngineProfile:
@@ -196,6 +243,7 @@ def _rollout_status(st: DeploymentStatus) -> RolloutStatus:
         updated_replicas=st.updated_replicas,
         available_replicas=st.available_replicas,
         unavailable_replicas=st.unavailable_replicas,
+        suspended_replicas=st.suspended_replicas,
         stalled=st.stalled,
         reason=st.reason,
         progress_started_at=st.progress_started_at,

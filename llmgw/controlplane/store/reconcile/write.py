@@ -33,10 +33,12 @@ from llmgw.controlplane.planner.actions import (
     StopReplica,
     UpdateRolloutStatus,
 )
+from llmgw.controlplane.planner.autoscale import Decision
 from llmgw.controlplane.planner.snapshot import DeploymentId, NodeId, ReplicaId
 from llmgw.controlplane.store.reconcile.read import LoadedState
 from llmgw.controlplane.store.tables import (
     Deployment,
+    DeploymentAutoscale,
     DeploymentStatus,
     GpuAssignment,
     Node,
@@ -47,7 +49,7 @@ from llmgw.controlplane.store.tables import (
 from llmgw.engines import Profile as EngineProfile
 from llmgw.engines import ShardSpec
 
-__all__ = ["ACTION_LOG_KEEP", "apply_plan"]
+__all__ = ["ACTION_LOG_KEEP", "apply_plan", "apply_scale"]
 
 # The action record keeps this many newest rows: enough to answer "why" for days of a busy
 # fleet, bounded so a crash-looping fleet cannot grow the table without end.
@@ -279,6 +281,7 @@ async def _upsert_status(session: AsyncSession, a: UpdateRolloutStatus) -> None:
         "updated_replicas": s.updated_replicas,
         "available_replicas": s.available_replicas,
         "unavailable_replicas": s.unavailable_replicas,
+        "suspended_replicas": s.suspended_replicas,
         "stalled": s.stalled,
         "reason": s.reason[:4000],
         "progress_started_at": s.progress_started_at,
@@ -290,3 +293,62 @@ async def _upsert_status(session: AsyncSession, a: UpdateRolloutStatus) -> None:
             set_={**values, "updated_at": text("now()")},
         )
     )
+
+
+async def apply_scale(
+    session: AsyncSession,
+    decisions: dict[DeploymentId, Decision],
+    state: LoadedState,
+    *,
+    epoch: int,
+) -> int:
+    """Store the autoscaler's decisions that differ from what is stored, in the caller's
+    fenced transaction (the plan that acts on them is in the same one, so a leader killed
+    between the two leaves neither); record each count change in ``reconcile_actions``.
+    Returns the number of count changes."""
+    names = {d.id: d.name for d in state.snapshot.deployments}
+    rows = []
+    records = []
+    for dep_id, dec in sorted(decisions.items()):
+        st = state.scale.get(dep_id)
+        same = (
+            st is not None
+            and dep_id in state.scale_stored
+            and (st.desired, st.warm, st.last_scaled_at, st.idle_since, st.suspended_since)
+            == (dec.desired, dec.warm, dec.last_scaled_at, dec.idle_since, dec.suspended_since)
+        )
+        if same and not dec.changed:
+            continue
+        row = {
+            "deployment_id": uuid.UUID(dep_id),
+            "desired_replicas": dec.desired,
+            "warm_replicas": dec.warm,
+            "last_scaled_at": dec.last_scaled_at,
+            "idle_since": dec.idle_since,
+            "suspended_since": dec.suspended_since,
+        }
+        if dec.changed:
+            row["reason"] = dec.reason[:4000]
+            records.append(
+                {
+                    "epoch": epoch,
+                    "action": "Autoscale",
+                    "deployment": names.get(dep_id, ""),
+                    "replica_id": None,
+                    "node": "",
+                    "reason": dec.reason[:4000],
+                }
+            )
+        rows.append(row)
+    for row in rows:
+        stmt = pg_insert(DeploymentAutoscale).values(**row)
+        update_cols = {k: v for k, v in row.items() if k != "deployment_id"}
+        await session.execute(
+            stmt.on_conflict_do_update(
+                index_elements=[DeploymentAutoscale.deployment_id],
+                set_={**update_cols, "updated_at": text("now()")},
+            )
+        )
+    if records:
+        await session.execute(insert(ReconcileAction), records)
+    return len(records)
