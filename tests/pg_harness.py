@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,6 @@ from psycopg import sql
 from llmgw.embedded_postgres import (
     EmbeddedPostgres,
     create_database,
-    drop_database,
     libpq_url,
     url_with_database,
 )
@@ -57,7 +57,34 @@ class PgServer:
         return create_database(self.admin_url, name, template=template)
 
     def drop_database(self, name: str) -> None:
-        drop_database(self.admin_url, name)
+        """Drop a test's database; one the server cannot drop within ``_DROP_TIMEOUT_S`` is
+        left (warned, with what every session was doing) rather than failing the test."""
+        # DROP DATABASE waits for every backend of the cluster to absorb a signal barrier; in
+        # two full runs on loaded 2-core machines one such wait outlived the test's timeout.
+        # The database is this session's (its name carries the prefix; the private cluster
+        # goes with the session), so leaving it costs nothing and the test's own result stands.
+        try:
+            with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as conn:
+                conn.execute(f"SET statement_timeout = '{_DROP_TIMEOUT_S}s'")
+                conn.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+        except psycopg.errors.QueryCanceled:
+            warnings.warn(
+                f"test database {name} not dropped within {_DROP_TIMEOUT_S} s; left behind. "
+                f"Sessions then: {self._activity()}",
+                stacklevel=2,
+            )
+
+    def _activity(self) -> list[tuple[object, ...]]:
+        with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as conn:
+            return conn.execute(
+                "SELECT pid, datname, backend_type, state, wait_event_type, wait_event, "
+                "left(query, 60) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            ).fetchall()
+
+
+_DROP_TIMEOUT_S = 15
 
 
 @contextmanager
