@@ -40,6 +40,11 @@ def upgrade() -> None:
         "deployments",
         sa.Column("autoscale", postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     )
+    op.create_check_constraint(
+        op.f("ck_deployments_autoscale_object"),
+        "deployments",
+        "autoscale IS NULL OR jsonb_typeof(autoscale) = 'object'",
+    )
     op.create_table(
         "deployment_autoscale",
         sa.Column("deployment_id", sa.Uuid(), nullable=False),

@@ -68,8 +68,7 @@ _READ = text(
 
 _DECLARED = text(
     "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters, "
-    # jsonb_typeof: a deployment written without a policy may hold JSON null, not SQL NULL.
-    "(coalesce(jsonb_typeof(d.autoscale) = 'object', false) AND d.state = 'active') "
+    "(d.autoscale IS NOT NULL AND d.state = 'active') "
     "AS autoscaled "
     "FROM deployments d JOIN models m ON m.id = d.model_id "
     "JOIN profiles p ON p.id = d.profile_id"

@@ -255,6 +255,10 @@ class Deployment(_Versioned, Base):
         CheckConstraint("progress_deadline_s > 0", name="progress_deadline_positive"),
         CheckConstraint(_in("state", DEPLOYMENT_STATES), name="state_known"),
         CheckConstraint("generation >= 1", name="generation_positive"),
+        # SQL NULL is "no policy": a JSON null there would read as a policy to `IS NOT NULL`.
+        CheckConstraint(
+            "autoscale IS NULL OR jsonb_typeof(autoscale) = 'object'", name="autoscale_object"
+        ),
         # A profile in use by a deployment cannot be deleted (RESTRICT), and it must belong to
         # the deployment's model: a replica launched from another model's profile would serve
         # the wrong weights under this model's name.
@@ -286,7 +290,8 @@ class Deployment(_Versioned, Base):
     generation: Mapped[int] = mapped_column(BigInteger, server_default=text("1"))
     # The document's `autoscale:` mapping as validated (schemas.AutoscaleBody); None: the
     # replica count is `replicas`, fixed. With it, `replicas` is only where scaling starts.
-    autoscale: Mapped[dict[str, Any] | None] = mapped_column()
+    # none_as_null: Python None is stored as SQL NULL, never as the JSON value null.
+    autoscale: Mapped[dict[str, Any] | None] = mapped_column(JSONB(none_as_null=True))
 
 
 class DeploymentAutoscale(Base):
