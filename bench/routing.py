@@ -504,8 +504,10 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
         "--prefill-ms-per-token", str(args.prefill_ms_per_token),
         "--log-level", "warning",
         # The model's tokenizer files (the packaged tiny model's): the agent ships them and
-        # the gateways tokenize locally with them, as with a vLLM model directory.
-        *(("--tokenizer", args.sim_tokenizer) if args.sim_tokenizer != "builtin" else ()),
+        # the gateways tokenize locally with them, as with a vLLM model directory. Always
+        # named: the sim adapter passes `tiny` to a profile that names none, so `builtin`
+        # (the constructed vocabulary, no files) must be asked for.
+        "--tokenizer", args.sim_tokenizer,
     ]  # fmt: skip
 
 

@@ -88,8 +88,8 @@ def simengine(
         typer.Option(
             "--tokenizer",
             help="A model directory with tokenizer.json (+ chat template) to tokenize with as "
-            "vLLM does, or `tiny` for the packaged tiny model's files (default: the constructed "
-            "vocabulary).",
+            "vLLM does, `tiny` for the packaged tiny model's files, or `builtin` for the constructed "
+            "vocabulary (the default; the engine adapter passes `tiny` to sim:// models).",
         ),
     ] = None,
     max_body_bytes: Annotated[
@@ -179,6 +179,8 @@ def simengine(
 
 
 def _tokenizer_dir(value: str | None) -> str | None:
+    if value == "builtin":
+        return None
     if value == "tiny":
         from llmgw.simengine.hf_tokens import tiny_model_dir
 

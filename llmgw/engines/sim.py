@@ -8,7 +8,7 @@ from SimConfig, which the agent fills in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from llmgw.engines.command import Command
 from llmgw.engines.config import SimConfig
@@ -32,6 +32,10 @@ _RESERVED = (
     ReservedFlag(("--kv-events-config",), "profile.kv_events"),
     ReservedFlag(("--kv-extra-key-format",), "profile.kv_hash.extra_key_format"),
 )
+
+
+def _names_tokenizer(args: Sequence[str]) -> bool:
+    return any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in args)
 
 
 class Sim(Engine):
@@ -73,6 +77,11 @@ class Sim(Engine):
             args += ["--lora-modules", f"{a.name}={a.path}"]
         if p.kv_events:
             args += ["--kv-events-config", kv_events_config(spec)]
+        if not _names_tokenizer(p.args):
+            # sim:// models tokenize with the packaged tiny model's files by default, so the
+            # agent ships them and gateways tokenize locally exactly as this engine does;
+            # `--tokenizer builtin` in the profile's args keeps the constructed vocabulary.
+            args += ["--tokenizer", "tiny"]
         args += p.args
         extra: dict[str, str] = {}
         if spec.api_key:

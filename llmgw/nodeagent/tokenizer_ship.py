@@ -4,8 +4,9 @@ The control plane usually does not hold the model; the gateways tokenize prompts
 the model's own tokenizer files, so the agent reads them from the model directory on its node
 when a rank-0 shard first becomes ready and POSTs them (``protocol.tokenizers``). Which
 directory: the engine's ``--tokenizer`` argument where the profile passes one (vLLM and the
-simulator both take it; the simulator's ``tiny`` is the packaged tiny model), else the
-profile's ``model_path`` when it is a directory on this node holding a ``tokenizer.json``.
+simulator both take it; the simulator's ``tiny``, its adapter's default, is the packaged tiny
+model and ``builtin`` its constructed vocabulary, which has no files), else the profile's
+``model_path`` when it is a directory on this node holding a ``tokenizer.json``.
 A model with neither (a GGUF file, a hub name not on disk) ships nothing, and the gateways
 fall back to a replica's ``/tokenize``.
 
@@ -48,8 +49,13 @@ def tokenizer_dir(spec: Mapping[str, Any]) -> Path | None:
             named = args[i + 1]
         elif arg.startswith("--tokenizer="):
             named = arg.partition("=")[2]
-    if named == "tiny" and str(profile.get("engine", "")) == "sim":
-        return Path(str(resources.files("llmgw") / "tinymodel"))
+    if str(profile.get("engine", "")) == "sim":
+        # The sim adapter passes `--tokenizer tiny` unless the profile names one (its
+        # model_path is sim://..., never a directory); `builtin` is the constructed vocabulary.
+        if named is None or named == "tiny":
+            return Path(str(resources.files("llmgw") / "tinymodel"))
+        if named == "builtin":
+            return None
     candidate = Path(named) if named else Path(str(profile.get("model_path") or ""))
     if str(candidate) and candidate.is_dir() and (candidate / "tokenizer.json").is_file():
         return candidate

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from engines_testkit import SEED, build, profile, registry, spec
 
 from llmgw.engines import Adapter, KVHashParams, profile_fingerprint
+from llmgw.nodeagent.tokenizer_ship import tokenizer_dir
+from llmgw.simengine.hf_tokens import tiny_model_dir
 
 INHERITED = {"HOME": "/root", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PATH": "/usr/bin:/bin"}
 GPU0 = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_DISABLE": "1"}
@@ -263,6 +266,7 @@ def test_sim_command_is_the_simcli_contract() -> None:
         "--kv-events-config",
         '{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:45000","publisher":"zmq",'
         '"replay_endpoint":"tcp://127.0.0.1:45001","topic":"kv@shard-1"}',
+        "--tokenizer", "tiny",
         "--time-scale", "0.1",
     ]  # fmt: skip
     assert c.env == {
@@ -273,6 +277,31 @@ def test_sim_command_is_the_simcli_contract() -> None:
         "PYTHONHASHSEED": SEED,
         "SIMENGINE_API_KEY": "sk-sim-key-0000",
     }
+
+
+@pytest.mark.parametrize(
+    ("args", "shipped"),
+    [
+        ([], "tiny"),
+        (["--tokenizer", "builtin"], None),
+        (["--tokenizer=builtin"], None),
+        (["--tokenizer", "tiny"], "tiny"),
+        (["--tokenizer", "/nowhere/model"], None),
+    ],
+)
+def test_sim_tokenizes_with_the_tiny_model_unless_the_profile_names_a_tokenizer(
+    args: list[str], shipped: str | None
+) -> None:
+    p = profile(engine="sim", gpu_class="cpu", model_path="sim://demo", args=args)
+    [c] = build(spec(p))
+    named = [a for a in c.args if a == "--tokenizer" or a.startswith("--tokenizer=")]
+    assert named == (["--tokenizer"] if args == [] else [a for a in args if a.startswith("--tok")])
+    if args == []:
+        assert list(c.args[-2:]) == ["--tokenizer", "tiny"]
+    # The agent ships the files the engine reads: the tiny model's for the default and `tiny`,
+    # none for the constructed vocabulary or a directory not on this node.
+    found = tokenizer_dir({"profile": p.model_dump(mode="json")})
+    assert found == (tiny_model_dir() if shipped == "tiny" else None)
 
 
 def test_sim_without_kv_events_sets_no_seed() -> None:

@@ -104,7 +104,7 @@ REFERENCE_FLAGS = {
     # SIMCLI
     "sim": {
         "-m", "--model", "--served-model-name", "--host", "--port", "--block-size",
-        "--kv-extra-key-format", "--lora-modules", "--kv-events-config",
+        "--kv-extra-key-format", "--lora-modules", "--kv-events-config", "--tokenizer",
     },
 }  # fmt: skip
 

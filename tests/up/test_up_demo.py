@@ -42,6 +42,24 @@ def _no_processes_left(up: Up, shards: set[str]) -> None:
     assert left
 
 
+def _demo_tokenizes_locally(info: dict[str, Any]) -> bool:
+    r = httpx.post(
+        f"{info['base_url']}/chat/completions",
+        headers={"Authorization": f"Bearer {info['api_key']}"},
+        json={"model": "demo", "max_tokens": 2,
+              "messages": [{"role": "user", "content": "Say hello to the tiny model."}]},
+        timeout=10,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text[:500]
+    text = httpx.get(f"{info['admin_url']}/metrics", timeout=10).text
+    return any(
+        sample.labels == {"model": "demo", "mode": "local"} and sample.value == 1
+        for family in text_string_to_metric_families(text)
+        if family.name == "llmgw_prefix_tokenizer_mode"
+        for sample in family.samples
+    )
+
+
 def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> None:
     up = Up.new(pg_tmp_path).start()
     shards: set[str] = set()
@@ -132,6 +150,15 @@ def test_up_demo_examples_status_ctrl_c_and_second_run(pg_tmp_path: Path) -> Non
             if family.name.startswith("llmgw_") and not family.name.endswith("_created"):
                 suffix = "_total" if family.type == "counter" else ""
                 assert f"`{family.name}{suffix}`" in documented, family.name
+        # The demo routes with local tokens: the agent shipped the simulator's tiny-model
+        # tokenizer files, the gateway loaded them and its checks against a replica's
+        # /tokenize agreed. A chat per poll so the verification has requests to sample.
+        wait_for(
+            lambda: _demo_tokenizes_locally(info),
+            timeout_s=20,
+            interval_s=0.5,
+            what='llmgw_prefix_tokenizer_mode{model="demo",mode="local"} 1',
+        )
         shards = shard_ids(info)
         assert len(shards) == 2
         assert our_pids(up, shards)  # engines run (their marker is what finds them)
