@@ -50,6 +50,7 @@ __all__ = [
     "SegmentCache",
     "TokenizerFiles",
     "TokenizerFilesError",
+    "check_chat_options",
 ]
 
 # The files read of a model directory, and nothing else of it: the tokenizer, its config (the
@@ -401,14 +402,11 @@ class HfTokenizer:
         """The prompt text of a chat, as the engine renders it. Raises ``SpecError`` for what
         the engine refuses too (both generation prompt and continuation, no messages, a
         template that raises)."""
-        if add_generation_prompt and continue_final_message:
-            raise SpecError(
-                "add_generation_prompt and continue_final_message are both true; "
-                "set add_generation_prompt=false to continue the final message",
-                field="continue_final_message",
-            )
-        if not messages:
-            raise SpecError("messages is empty; send at least one message", field="messages")
+        check_chat_options(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         template = self._templates[bool(tools)]
         if template is None:
             raise SpecError(
@@ -495,3 +493,21 @@ class HfTokenizer:
         if rendered is None:
             return None
         return self.encode(rendered[0], add_special_tokens=rendered[1])
+
+
+def check_chat_options(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> None:
+    """What every chat template refuses before rendering, as vLLM refuses it: the final
+    message cannot be both closed (a generation prompt) and continued, and a chat has one."""
+    if add_generation_prompt and continue_final_message:
+        raise SpecError(
+            "add_generation_prompt and continue_final_message are both true; "
+            "set add_generation_prompt=false to continue the final message",
+            field="continue_final_message",
+        )
+    if not messages:
+        raise SpecError("messages is empty; send at least one message", field="messages")

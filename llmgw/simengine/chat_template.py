@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmgw.errors import SpecError, clip
+from llmgw.kv.hf_tokenizer import check_chat_options
 
 __all__ = ["render_chat"]
 
@@ -50,15 +51,11 @@ def render_chat(
     continue_final_message: bool = False,
     tools: Sequence[Any] | None = None,
 ) -> str:
-    if add_generation_prompt and continue_final_message:
-        # vLLM refuses the same combination: the final message cannot be both closed and continued.
-        raise SpecError(
-            "add_generation_prompt and continue_final_message are both true; "
-            "set add_generation_prompt=false to continue the final message",
-            field="continue_final_message",
-        )
-    if not messages:
-        raise SpecError("messages is empty; send at least one message", field="messages")
+    check_chat_options(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     out: list[str] = []
     if tools:
         out.append(
