@@ -15,7 +15,10 @@ wrappers too old to serve one (agent.py). For every request, in this order:
 4. forwarded to ``127.0.0.1:<upstream_port>`` with the Authorization header kept (the engine
    checks its key too), over a pooled client; the response streams back chunk by chunk as it
    arrives (SSE tokens are not held back), and each write waits for the client to drain, so a
-   slow client holds at most the transport's buffer, not the whole answer.
+   slow client holds at most the transport's buffer, not the whole answer. An engine that
+   could not be reached, or that dropped the request unanswered and no longer listens (a
+   kill), is 502 ``upstream-unavailable``, which the gateway retries elsewhere; one that broke
+   while it still listens is 502 ``upstream-failed``, which it does not.
 
 aiohttp's low-level server rather than a raw ASGI app under uvicorn: measured (proxy process
 CPU, 1500 requests through each to a simulator, 8 concurrent, 2026-11) the two are within ~15%
@@ -29,6 +32,7 @@ This module must NOT log keys or request bodies, nor import the control plane.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -74,6 +78,9 @@ _HOP_BY_HOP = frozenset(
 # Encoded dot, slash or backslash: decoded by some engines' routers after our check.
 _ENCODED_TRAVERSAL = re.compile(r"%(2e|2f|5c)", re.IGNORECASE)
 _SHARD_SEGMENT = re.compile(r"[A-Za-z0-9._~-]{1,200}")
+# An engine on loopback accepts or refuses at once; one that does neither within this is alive
+# but stuck, and may hold the request: it counts as listening.
+_LISTENING_PROBE_S = 1.0
 
 
 def proxy_limits(
@@ -119,6 +126,21 @@ def _error(status: int, code: str, message: str) -> web.Response:
         }
     }
     return web.Response(status=status, body=json.dumps(body), content_type="application/json")
+
+
+async def _listening(host: str, port: int) -> bool:
+    """False only when a connect to ``host:port`` is refused (nothing listens there); a connect
+    that hangs past the probe's bound is taken as a live, stuck listener."""
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port), timeout=_LISTENING_PROBE_S
+        )
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+    writer.close()
+    return True
 
 
 def split_path(raw_path: str) -> tuple[str, str] | None:
@@ -262,9 +284,24 @@ class EngineProxy:
             _log.warning("engine_proxy_upstream_failed", shard=shard, error=type(exc).__name__)
             return _error(502, "upstream-unavailable", f"engine of shard {shard} is unreachable")
         except aiohttp.ClientError as exc:
-            # Connected, then lost: the engine may have started the work, so this must not
-            # read as "never reached" (a retry elsewhere could run the request twice).
-            _log.warning("engine_proxy_upstream_failed", shard=shard, error=type(exc).__name__)
+            # Connected, then lost before any answer. A pooled keep-alive connection to an
+            # engine that was just killed looks like this: the request went out on a socket the
+            # dead process had already dropped. If the engine no longer listens, nothing it may
+            # have started can still run, so a retry elsewhere cannot run the request twice and
+            # the gateway may take it as "never reached" (the fault suite's engine kill saw a
+            # stream fail so, 50 ms after the kill). A live engine may have started the work:
+            # that must not read as "never reached".
+            engine_gone = not await _listening(self._upstream_host, route.upstream_port)
+            _log.warning(
+                "engine_proxy_upstream_failed",
+                shard=shard,
+                error=type(exc).__name__,
+                engine_listening=not engine_gone,
+            )
+            if engine_gone:
+                return _error(
+                    502, "upstream-unavailable", f"engine of shard {shard} is unreachable"
+                )
             return _error(502, "upstream-failed", f"engine of shard {shard} failed mid-request")
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)

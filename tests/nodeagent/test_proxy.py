@@ -271,3 +271,60 @@ async def test_a_client_that_leaves_mid_stream_stops_the_generation(
         # And the proxy still serves.
         ok = await http.get(f"/shards/{OPEN}/health", headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200
+
+
+class _OneAnswerEngine:
+    """An engine that answers its first request on a keep-alive connection and drops the
+    connection, unanswered, on the next one: what a pooled connection to an engine killed
+    between two requests looks like to the proxy. With ``dies``, it stops listening before it
+    drops the connection (killed); without, it keeps listening (broke mid-request)."""
+
+    def __init__(self, *, dies: bool) -> None:
+        self.dies = dies
+        self.server: asyncio.Server | None = None
+        self.requests = 0
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readuntil(b"\r\n\r\n"):
+            self.requests += 1
+            if self.requests == 1:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+                continue
+            if self.dies and self.server is not None:
+                self.server.close()
+            writer.transport.abort()  # no answer: a reset, as a killed process leaves
+            return
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.parametrize(
+    ("dies", "code"), [(True, "upstream-unavailable"), (False, "upstream-failed")]
+)
+async def test_a_pooled_connection_lost_before_an_answer_is_unreached_only_if_the_engine_is_gone(
+    dies: bool, code: str
+) -> None:
+    # The gateway retries only "upstream-unavailable" elsewhere: an engine that still listens
+    # may have started the work, a dead one runs nothing.
+    engine = _OneAnswerEngine(dies=dies)
+    p = EngineProxy("127.0.0.1", 0)
+    p.set_routes({"s": ProxyRoute(await engine.start(), KEY)})
+    port = await p.start()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            first = await http.get("/shards/s/health", headers=auth)
+            assert first.status_code == 200
+            second = await http.post("/shards/s/v1/completions", json={"prompt": "x"}, headers=auth)
+        assert engine.requests == 2, "the second request must go out on the pooled connection"
+        assert second.status_code == 502 and second.json()["error"]["code"] == code
+    finally:
+        await p.stop()
+        engine.close()
