@@ -56,6 +56,33 @@ class PgServer:
     def create_database(self, name: str, *, template: str | None = None) -> str:
         return create_database(self.admin_url, name, template=template)
 
+    def allow_connections(self, db_url: str, allowed: bool) -> None:
+        """Let the database at ``db_url`` take connections, or refuse them and end the sessions
+        it has. To a client that is what a stopped Postgres looks like (a LISTEN connection
+        drops, every new connection fails), and it comes back at once, unlike a restarted
+        server whose port another test may have taken."""
+        name = db_url.rsplit("/", 1)[1].split("?", 1)[0]
+        with psycopg.connect(libpq_url(self.admin_url), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS {}").format(
+                    sql.Identifier(name), sql.Literal(allowed)
+                )
+            )
+            if not allowed:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (name,),
+                )
+
+    @contextmanager
+    def offline(self, db_url: str) -> Iterator[None]:
+        """The database at ``db_url`` refuses every connection until the block ends."""
+        self.allow_connections(db_url, False)
+        try:
+            yield
+        finally:
+            self.allow_connections(db_url, True)
+
     def drop_database(self, name: str) -> None:
         """Drop a test's database; one the server cannot drop within ``_DROP_TIMEOUT_S`` is
         left (warned, with what every session was doing) rather than failing the test."""

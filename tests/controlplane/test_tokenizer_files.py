@@ -13,7 +13,6 @@ import shutil
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 from agentapi_testkit import fetch, make_token, place_shard, running_agent_api
 from pg_harness import PgServer
@@ -27,17 +26,6 @@ from llmgw.protocol.tokenizers import TokenizerUpload
 from llmgw.simengine.hf_tokens import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _connections(pg: PgServer, db_url: str, *, allowed: bool) -> None:
-    name = db_url.rsplit("/", 1)[1].split("?", 1)[0]
-    with psycopg.connect(libpq_url(pg.admin_url), autocommit=True) as conn:
-        conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS {str(allowed).lower()}')
-        if not allowed:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                (name,),
-            )
 
 
 async def _until(predicate, what: str, deadline_s: float = 10.0) -> float:  # type: ignore[no-untyped-def]
@@ -126,7 +114,7 @@ async def test_tokenizer_files_reach_every_gateway_and_outlive_an_outage(
             await local.settled()
             assert local.mode("tok-model") == "local"
             held = gateways[0].files
-            _connections(pg_server, db_url, allowed=False)
+            pg_server.allow_connections(db_url, False)
             try:
                 await gateways[0]._refresh_quietly()
                 assert gateways[0]._failing
@@ -137,7 +125,7 @@ async def test_tokenizer_files_reach_every_gateway_and_outlive_an_outage(
                 )
                 assert isinstance(got, tuple) and got[0]
             finally:
-                _connections(pg_server, db_url, allowed=True)
+                pg_server.allow_connections(db_url, True)
             local.close()
         finally:
             await client.close()

@@ -1,24 +1,17 @@
 """What the key, limit and accounting tests share: sessions on a test database, keys made as
-the admin API makes them, a Postgres that goes away and comes back, and an async wait.
-
-A database "goes away" by refusing connections (ALTER DATABASE ... ALLOW_CONNECTIONS false)
-after its sessions are ended: to a gateway that is what a stopped Postgres looks like (the
-LISTEN connection drops, every new connection fails), and it comes back at once, unlike a
-restarted server whose port another test may have taken.
+the admin API makes them, and an async wait. A Postgres that goes away and comes back is
+``PgServer.offline`` (tests/pg_harness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any, TypeVar
 
-import psycopg
-from pg_harness import PgServer
-from psycopg import sql
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -26,9 +19,8 @@ from llmgw.controlplane.credentials import new_api_key
 from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.controlplane.store.keys import notify_keys_changed
 from llmgw.controlplane.store.tables import ApiKey
-from llmgw.embedded_postgres import libpq_url
 
-__all__ = ["database_offline", "insert_key", "revoke_key", "sessions_on", "until"]
+__all__ = ["insert_key", "revoke_key", "sessions_on", "until"]
 
 T = TypeVar("T")
 
@@ -101,32 +93,3 @@ async def until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def _dbname(db_url: str) -> str:
-    return db_url.rsplit("/", 1)[1].split("?", 1)[0]
-
-
-def _allow(pg_server: PgServer, name: str, allow: bool) -> None:
-    with psycopg.connect(libpq_url(pg_server.admin_url), autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}").format(
-                sql.Identifier(name), sql.Literal(allow)
-            )
-        )
-        if not allow:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                (name,),
-            )
-
-
-@contextmanager
-def database_offline(pg_server: PgServer, db_url: str) -> Iterator[None]:
-    """The database refuses every connection until the block ends."""
-    name = _dbname(db_url)
-    _allow(pg_server, name, False)
-    try:
-        yield
-    finally:
-        _allow(pg_server, name, True)

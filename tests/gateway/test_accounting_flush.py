@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from keys_testkit import database_offline, insert_key, sessions_on, until
+from keys_testkit import insert_key, sessions_on, until
 from pg_harness import PgServer
 from sqlalchemy.exc import OperationalError
 from structlog.testing import capture_logs
@@ -135,7 +135,7 @@ async def test_usage_recorded_while_postgres_is_away_is_flushed_when_it_returns(
         try:
             rec.record(key, "m", prompt_tokens=1, completion_tokens=1, cached_tokens=0)
             await until(lambda: rec.num_pending_buckets == 0, timeout_s=10, what="first flush")
-            with capture_logs() as logs, database_offline(pg_server, db_url):
+            with capture_logs() as logs, pg_server.offline(db_url):
                 for _ in range(50):
                     rec.record(key, "m", prompt_tokens=2, completion_tokens=3, cached_tokens=1)
                 await until(lambda: rec.num_flush_failures >= 1, timeout_s=10, what="a failure")
@@ -172,7 +172,7 @@ async def test_stop_says_what_it_could_not_write(db_url: str, pg_server: PgServe
         key, _ = await insert_key(sessions, "k")
         rec = UsageRecorder(sessions=sessions, flush_interval_s=3600, stop_timeout_s=0.5)
         rec.record(key, "m", prompt_tokens=3, completion_tokens=4, cached_tokens=0)
-        with capture_logs() as logs, database_offline(pg_server, db_url):
+        with capture_logs() as logs, pg_server.offline(db_url):
             await rec.stop()
         lost = [e for e in logs if e["event"] == "usage_flush_lost"]
         assert len(lost) == 1 and (lost[0]["requests"], lost[0]["tokens"]) == (1, 7)

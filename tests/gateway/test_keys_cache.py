@@ -7,7 +7,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from keys_testkit import database_offline, insert_key, revoke_key, sessions_on, until
+from keys_testkit import insert_key, revoke_key, sessions_on, until
 from pg_harness import PgServer
 from structlog.testing import capture_logs
 
@@ -115,7 +115,7 @@ async def test_keys_keep_working_while_postgres_is_unreachable(
         await cache.start()
         try:
             await until(lambda: cache.listening, timeout_s=10, what="the LISTEN connection")
-            with capture_logs() as logs, database_offline(pg_server, db_url):
+            with capture_logs() as logs, pg_server.offline(db_url):
                 await until(lambda: not cache.listening, timeout_s=10, what="the listener to drop")
                 with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises
                     await cache.refresh()
@@ -144,7 +144,7 @@ async def test_before_the_first_load_requests_get_503_not_401(
 ) -> None:
     async with sessions_on(db_url) as sessions:
         _, key = await insert_key(sessions, "early")
-        with database_offline(pg_server, db_url):
+        with pg_server.offline(db_url):
             cache = KeyCache(sessions=sessions, libpq_url=libpq_url(db_url), refresh_interval_s=60)
             with capture_logs() as logs:
                 await cache.start()

@@ -42,7 +42,7 @@ from llmgw.controlplane.agentapi.errors import AgentApiRefusal, protocol_error
 from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.agentapi.service import AgentApi, unauthorized
 from llmgw.controlplane.agentapi.tokenizers import store_tokenizer
-from llmgw.controlplane.credentials import bearer_credential
+from llmgw.controlplane.credentials import NodeCredential, bearer_credential
 from llmgw.controlplane.instances import InstanceIdentity
 from llmgw.errors import clip
 from llmgw.logs import get_logger
@@ -81,6 +81,19 @@ async def _read_body(request: Request, cap: int, setting: str) -> bytes:
             "body-too-large",
             f"the request body is larger than {cap} bytes (controlplane.agent_api.{setting})",
         ) from None
+
+
+async def _authenticated_body(
+    request: Request, api: AgentApi, endpoint: str, cap: int, setting: str
+) -> tuple[NodeCredential, bytes]:
+    """The node credential, checked, then the body read under ``cap``: in that order for every
+    authenticated endpoint, so an unauthenticated client never makes the API buffer a byte."""
+    credential = bearer_credential(request.headers.get("authorization"))
+    if credential is None:
+        api.metrics.auth_failures.labels(endpoint, "missing_or_malformed").inc()
+        raise unauthorized()
+    await api.authenticate(credential, endpoint=endpoint)
+    return credential, await _read_body(request, cap, setting)
 
 
 def _peek_version(body: bytes) -> Any:
@@ -160,12 +173,9 @@ async def sync(request: Request) -> Response:
     api = _api(request)
     try:
         handler = api.sync
-        credential = bearer_credential(request.headers.get("authorization"))
-        if credential is None:
-            api.metrics.auth_failures.labels("sync", "missing_or_malformed").inc()
-            raise unauthorized()
-        await api.authenticate(credential, endpoint="sync")
-        body = await _read_body(request, api.settings.sync_max_body_bytes, "sync_max_body_bytes")
+        credential, body = await _authenticated_body(
+            request, api, "sync", api.settings.sync_max_body_bytes, "sync_max_body_bytes"
+        )
         parsed = _parse(SyncRequest, body)
         if parsed.node_id != str(credential.node_id):
             raise AgentApiRefusal(
@@ -186,12 +196,9 @@ async def sync(request: Request) -> Response:
 async def kv_delta(request: Request) -> Response:
     api = _api(request)
     try:
-        credential = bearer_credential(request.headers.get("authorization"))
-        if credential is None:
-            api.metrics.auth_failures.labels("kv", "missing_or_malformed").inc()
-            raise unauthorized()
-        await api.authenticate(credential, endpoint="kv")
-        body = await _read_body(request, api.settings.kv_max_body_bytes, "kv_max_body_bytes")
+        credential, body = await _authenticated_body(
+            request, api, "kv", api.settings.kv_max_body_bytes, "kv_max_body_bytes"
+        )
         return Response(
             content=api.kv.handle(credential.node_id, body), media_type="application/json"
         )
@@ -203,13 +210,12 @@ async def kv_delta(request: Request) -> Response:
 async def tokenizer(request: Request) -> Response:
     api = _api(request)
     try:
-        credential = bearer_credential(request.headers.get("authorization"))
-        if credential is None:
-            api.metrics.auth_failures.labels("tokenizer", "missing_or_malformed").inc()
-            raise unauthorized()
-        await api.authenticate(credential, endpoint="tokenizer")
-        body = await _read_body(
-            request, api.settings.tokenizer_max_body_bytes, "tokenizer_max_body_bytes"
+        credential, body = await _authenticated_body(
+            request,
+            api,
+            "tokenizer",
+            api.settings.tokenizer_max_body_bytes,
+            "tokenizer_max_body_bytes",
         )
         parsed = _parse(TokenizerUpload, body)
         return _json(await store_tokenizer(api.sessions, credential.node_id, parsed))
