@@ -244,3 +244,49 @@ async def test_the_sampler_loop_reads_off_the_loop_and_stops_when_told() -> None
     async with asyncio.timeout(5):
         await task
     assert sampler.ring.series(("in_flight", "rep-1"))[:2] == [2, 2]
+
+
+# --- the wire -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "gzip_ok"),
+    [
+        ("gzip, deflate, br", True),
+        ("br;q=1.0, GZIP;q=0.5", True),
+        ("*", True),
+        ("gzip;q=0", False),
+        ("gzip;q=0.0, *;q=1", False),  # named and refused: the wildcard does not override it
+        ("identity", False),
+        ("", False),
+        ("gzip;q=nonsense", False),
+    ],
+)
+def test_gzip_is_sent_only_to_a_client_that_accepts_it(header: str, gzip_ok: bool) -> None:
+    from llmgw.controlplane.console.wire import accepts_gzip
+
+    assert accepts_gzip(header) is gzip_ok
+
+
+def test_a_full_routing_ring_shrinks_on_the_wire_and_decodes_to_the_same_charts() -> None:
+    import gzip
+    import json
+
+    from llmgw.controlplane.console.wire import dumps, gzip_json
+
+    ring = Ring(capacity=360, interval_s=10, max_series=600)
+    for t in range(360):
+        row: dict[tuple[str, ...], float | None] = {}
+        for m in range(16):
+            row[("hit_rate", f"model-{m}")] = round((t * 7 + m) % 100 / 100, 4)
+            row[("ttft_p90", f"model-{m}")] = None if t % 9 == 0 else round(t / 360, 4)
+        for r in range(64):
+            row[("in_flight", f"{r:08x}")] = float((t + r) % 24)
+        ring.add(t * 10, row)
+    body = dumps({"charts": rv.charts(ring)})
+    packed = gzip_json(body)
+    assert len(packed) * 4 < len(body), (len(body), len(packed))
+    assert json.loads(gzip.decompress(packed)) == json.loads(body)
+    assert gzip_json(body) == packed  # a fixed mtime: the same body, the same bytes
+    with pytest.raises(ValueError):
+        dumps({"x": float("nan")})

@@ -122,8 +122,11 @@ def test_pages_carry_the_csp_and_no_inline_script_or_style(
     assert hits["window_s"] == 3600  # the x axis: the ring's whole hour
     (chart,) = hits["charts"]
     assert chart["id"] == "hit-rate" and chart["series"] == []  # no decisions, no series
-    charts = c.get("/routing.json").json()["charts"]
-    assert [ch["id"] for ch in charts] == ["load"]
+    routing = c.get("/routing.json")
+    assert [ch["id"] for ch in routing.json()["charts"]] == ["load"]
+    # Gzipped only past 1 KB (a full ring, tests/console/test_console_charts.py); varies anyway.
+    assert routing.headers["vary"] == "Accept-Encoding"
+    assert "content-encoding" not in routing.headers
     csv = c.get("/usage.csv")
     assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
     assert csv.headers["content-disposition"].startswith('attachment; filename="llmgw-usage-')

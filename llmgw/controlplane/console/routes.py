@@ -13,6 +13,7 @@ session id in a URL or a log line, or query the database itself (``admin_calls``
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable
@@ -22,13 +23,13 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import HTMLResponse, RedirectResponse
 from jinja2 import Environment, PackageLoader, select_autoescape
 from prometheus_client import CollectorRegistry
 from starlette.staticfiles import StaticFiles
 
 from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
-from llmgw.controlplane.console import fleet_view, routing_view, usage_view
+from llmgw.controlplane.console import fleet_view, routing_view, usage_view, wire
 from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError, AdminCalls
 from llmgw.controlplane.console.sampler import RoutingSampler
 from llmgw.controlplane.console.sessions import COOKIE, Session, SessionStore
@@ -326,17 +327,25 @@ def _routes(router: APIRouter, c: Console) -> None:
 
     _page_and_live(router, c, "overview", overview_context)
 
-    def _charts_json(charts: list[dict[str, Any]], **extra: Any) -> Response:
-        return JSONResponse(
-            {"at": time.time(), "interval_s": c.sampler.interval_s, "charts": charts, **extra},
-            headers={"Cache-Control": "no-store"},
+    async def _charts_json(
+        request: Request, charts: list[dict[str, Any]], **extra: Any
+    ) -> Response:
+        body = wire.dumps(
+            {"at": time.time(), "interval_s": c.sampler.interval_s, "charts": charts, **extra}
         )
+        headers = {"Cache-Control": "no-store", "Vary": "Accept-Encoding"}
+        if len(body) >= wire.GZIP_MIN_BYTES and wire.accepts_gzip(
+            request.headers.get("accept-encoding", "")
+        ):
+            body = await asyncio.to_thread(wire.gzip_json, body)
+            headers["Content-Encoding"] = "gzip"
+        return Response(body, media_type="application/json", headers=headers)
 
-    def _ring_json(charts: list[dict[str, Any]], **extra: Any) -> Response:
+    async def _ring_json(request: Request, charts: list[dict[str, Any]], **extra: Any) -> Response:
         # The x axis is always the ring's whole hour: what the ring does not hold (before a
         # restart, during a stall) is an empty stretch, not a squeezed axis.
         window_s = c.sampler.ring.capacity * c.sampler.interval_s
-        return _charts_json(charts, window_s=window_s, **extra)
+        return await _charts_json(request, charts, window_s=window_s, **extra)
 
     @router.get("/hit-rates.json")
     async def hit_rates(request: Request) -> Response:
@@ -351,7 +360,8 @@ def _routes(router: APIRouter, c: Console) -> None:
             )
             for m in models
         )
-        return _ring_json(
+        return await _ring_json(
+            request,
             [routing_view.hit_rate_chart(c.sampler.ring)],
             summary=summary or "No routing decisions yet.",
         )
@@ -381,7 +391,7 @@ def _routes(router: APIRouter, c: Console) -> None:
     @router.get("/routing.json")
     async def routing_charts(request: Request) -> Response:
         c.fragment_session(request)
-        return _ring_json(routing_view.charts(c.sampler.ring))
+        return await _ring_json(request, routing_view.charts(c.sampler.ring))
 
     # --- a deployment --------------------------------------------------------------------
     # Names may hold "/" ({name:path}); the routes with a suffix come first, or the bare
@@ -502,7 +512,7 @@ def _routes(router: APIRouter, c: Console) -> None:
         c.fragment_session(request)
         rows, truncated, today = await daily_usage(_CHART_DAYS, CSV_MAX_ROWS)
         chart = usage_view.daily_chart(rows, today=today, days=_CHART_DAYS)
-        return _charts_json([chart], truncated=truncated)
+        return await _charts_json(request, [chart], truncated=truncated)
 
     @router.get("/usage.csv")
     async def usage_csv(request: Request, days: int = _CSV_DAYS) -> Response:
