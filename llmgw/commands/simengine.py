@@ -179,12 +179,13 @@ def simengine(
 
 
 def _tokenizer_dir(value: str | None) -> str | None:
-    if value == "builtin":
-        return None
-    if value == "tiny":
-        from llmgw.simengine.hf_tokens import tiny_model_dir
+    """The directory --tokenizer names, under the sim adapter's keywords (llmgw.engines.sim)."""
+    from llmgw.engines.sim import TINY_MODEL_DIR, TOKENIZER_BUILTIN, TOKENIZER_TINY
 
-        return str(tiny_model_dir())
+    if value == TOKENIZER_BUILTIN:
+        return None
+    if value == TOKENIZER_TINY:
+        return TINY_MODEL_DIR
     return value
 
 

@@ -56,11 +56,14 @@ def _metrics(conn: AdminConnection) -> dict[str, dict[str, Any]] | None:
 
 def tokenizer_modes(metrics_text: str) -> dict[str, str]:
     """Per model, how precise routing tokenizes its prompts (``llmgw_prefix_tokenizer_mode``:
-    local, remote or none), and "remote (mismatch)" where a verification turned local off."""
+    local, remote or none), and why where local is off: "remote (profile)" where a profile says
+    ``tokenizer: none`` (``llmgw_prefix_tokenizer_profile_none``), else "remote (mismatch)"
+    where a verification turned local off."""
     from prometheus_client.parser import text_string_to_metric_families
 
     modes: dict[str, str] = {}
     mismatched: set[str] = set()
+    by_profile: set[str] = set()
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             model = sample.labels.get("model", "")
@@ -68,10 +71,16 @@ def tokenizer_modes(metrics_text: str) -> dict[str, str]:
                 modes[model] = sample.labels.get("mode", "")
             elif sample.name == "llmgw_prefix_tokenizer_mismatches_total" and sample.value > 0:
                 mismatched.add(model)
-    return {
-        m: f"{mode} (mismatch)" if m in mismatched and mode == "remote" else mode
-        for m, mode in modes.items()
-    }
+            elif sample.name == "llmgw_prefix_tokenizer_profile_none" and sample.value == 1:
+                by_profile.add(model)
+    out: dict[str, str] = {}
+    for m, mode in modes.items():
+        if mode == "remote" and m in by_profile:
+            mode = "remote (profile)"
+        elif mode == "remote" and m in mismatched:
+            mode = "remote (mismatch)"
+        out[m] = mode
+    return out
 
 
 def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:

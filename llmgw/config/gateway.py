@@ -111,8 +111,10 @@ class GatewaySettings(Section):
     local_tokenize: bool = Field(
         default=True,
         description="Precise routing tokenizes prompts in the gateway, from each model's "
-        "tokenizer files (shipped by the agents, or named by the profile), verified on a "
-        "sample against a replica's /tokenize; false: always the replica's /tokenize.",
+        "tokenizer files (shipped by the agents: the engine's, or the directory a profile's "
+        "`tokenizer` names), verified on a sample against a replica's /tokenize; false: "
+        "always the replica's /tokenize. A profile's `tokenizer: none` turns it off for its "
+        "model alone.",
     )
     local_tokenize_workers: int = Field(
         default=2, ge=1, le=64, description="Threads tokenizing prompts locally."

@@ -24,7 +24,7 @@ from llmgw.engines import (
 )
 from llmgw.errors import LlmgwError, SpecError
 
-__all__ = ["LAUNCH_FIELDS", "check_profile", "engine_profile"]
+__all__ = ["LAUNCH_FIELDS", "SPEC_FIELDS", "check_profile", "engine_profile"]
 
 # The control plane validates what *some* node could run. Whether a given node
 # offers an engine (TensorRT-LLM only where its trtllm-serve is configured, none
@@ -40,11 +40,15 @@ LAUNCH_FIELDS = (
     "args", "env", "secret_env", "adapters", "kv_events", "threads", "kv_hash_seed",
     "kv_block_size", "kv_hash_algo", "kv_extra_key_format", "multinode_backend",
 )  # fmt: skip
+# What a shard's launch spec carries of the profile: the launch fields, and those the agent acts
+# on beside the process (the tokenizer whose files it ships), which change no command and so no
+# fingerprint.
+SPEC_FIELDS = (*LAUNCH_FIELDS, "tokenizer")
 
 
 def engine_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> Profile:
-    """The engines package's Profile for a complete set of LAUNCH_FIELDS (defaults are the
-    API schema's and the table's business, not repeated here).
+    """The engines package's Profile for a complete set of LAUNCH_FIELDS, and SPEC_FIELDS' others
+    where given (defaults are the API schema's and the table's business, not repeated here).
 
     `model` is the model's name, what clients send: the engine answers to it when
     served_model_name is empty, as the admin API documents (issue 8 item 9). Without it
@@ -75,6 +79,8 @@ def engine_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> 
         ),
         # Ray or vLLM's own launcher: a different process tree, so it counts like any arg.
         multinode_backend=fields.get("multinode_backend", "ray"),
+        # Read by the agent that ships the tokenizer files; no command changes with it.
+        tokenizer=fields.get("tokenizer", ""),
     )
 
 

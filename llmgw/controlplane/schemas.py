@@ -24,7 +24,12 @@ from pydantic import (
 )
 
 from llmgw.controlplane.store.tables import NAME_PATTERN, ROLLOUT_BUDGET_PATTERN
-from llmgw.engines import MAX_HASH_SEED, canonical_engine, is_valid_hash_seed
+from llmgw.engines import (
+    MAX_HASH_SEED,
+    canonical_engine,
+    is_valid_hash_seed,
+    tokenizer_problem,
+)
 
 __all__ = [
     "LIMITS",
@@ -110,6 +115,35 @@ Description = Annotated[str, StringConstraints(max_length=LIMITS["description_ch
 Engine = Annotated[
     str, StringConstraints(min_length=1, max_length=64), AfterValidator(canonical_engine)
 ]
+
+
+def _tokenizer_ok(value: str) -> str:
+    problem = tokenizer_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+# A profile's tokenizer: "", "none" or an absolute path (llmgw.engines.tokenizer_problem), no
+# longer than any other path.
+Tokenizer = Annotated[
+    str, StringConstraints(max_length=LIMITS["path_chars"]), AfterValidator(_tokenizer_ok)
+]
+_TOKENIZER_DOC = (
+    "Where the gateways' tokenizer for this model comes from. Empty: the engine's own (its "
+    "--tokenizer argument, else model_path; the simulator's packaged tiny model). `none` "
+    "(lower case): the model has no local tokenizer: agents ship no files for its shards and "
+    "the gateways tokenize its prompts with a replica's /tokenize (then the approximate tree), "
+    "even where files were stored before. An absolute path (no line breaks, at most 4096 "
+    "characters): the directory on the nodes whose tokenizer files (tokenizer.json, "
+    "tokenizer_config.json, a chat template) the agent ships instead, e.g. a Hugging Face "
+    "tokenizer directory for a GGUF model; under a node's agent.policy.allowed_model_roots "
+    "where it sets them. The engine's command line does not change. Not in the fingerprint: "
+    "editing it rolls nothing. `none` and back take effect in the gateways within seconds; a "
+    "new path is read for shards placed after the edit (a shard's launch spec is fixed when "
+    "it is placed, and its agent ships once, when the shard is first ready)."
+)
+
 # How a multi-node vLLM replica is wired (llmgw.engines.MultinodeBackend); the table's CHECK
 # holds the same two values.
 MultinodeBackend = Literal["ray", "native"]
@@ -270,6 +304,7 @@ class _ProfileFields(_Request):
         "(vLLM --max-num-seqs, ...) plus half of it waiting. Not in the fingerprint: editing "
         "it rolls nothing, the gateways apply it within seconds.",
     )
+    tokenizer: Tokenizer = Field(default="", description=_TOKENIZER_DOC)
     description: Description = ""
 
     @field_validator("kv_hash_seed")
@@ -316,6 +351,7 @@ class ProfileUpdate(_Request):
     kv_extra_key_format: Literal["tagged", "legacy"] | None = None
     multinode_backend: MultinodeBackend | None = None
     max_in_flight: int | None = Field(default=None, ge=0, le=1_000_000)
+    tokenizer: Tokenizer | None = None
     description: Description | None = None
 
     _seed_ok = field_validator("kv_hash_seed")(_ProfileFields._seed_ok.__func__)  # type: ignore[attr-defined]
@@ -344,6 +380,7 @@ class ProfileOut(_Response):
     kv_extra_key_format: str
     multinode_backend: str
     max_in_flight: int
+    tokenizer: str
     description: str
     fingerprint: str
     version: int

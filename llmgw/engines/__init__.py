@@ -62,6 +62,7 @@ from llmgw.engines.spec import (
     CPU_GPU_CLASS,
     ENGINE_ALIASES,
     MAX_HASH_SEED,
+    TOKENIZER_NONE,
     Adapter,
     GPUInfo,
     KVHashParams,
@@ -74,6 +75,7 @@ from llmgw.engines.spec import (
     is_valid_hash_seed,
     parse_gpus,
     parse_shard_spec,
+    tokenizer_problem,
 )
 
 __all__ = [
@@ -86,6 +88,7 @@ __all__ = [
     "MAX_HASH_SEED",
     "OWNED_ENV",
     "REDACTED",
+    "TOKENIZER_NONE",
     "UNSAFE_ENV",
     "Adapter",
     "Command",
@@ -130,5 +133,6 @@ __all__ = [
     "reference_engine",
     "refused_flags",
     "shard_env",
+    "tokenizer_problem",
     "unsafe_env_reason",
 ]

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from llmgw.engines.command import Command
-from llmgw.engines.flags import FlagSyntax, ReservedFlag, check_reserved, refused_flags
+from llmgw.engines.flags import (
+    FlagSyntax,
+    ReservedFlag,
+    check_reserved,
+    flag_value,
+    refused_flags,
+)
 from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
 from llmgw.engines.validation import (
     EngineTraits,
@@ -85,6 +91,9 @@ class Engine(ABC):
     # flags these are the names it knows the parser has exactly, which an
     # abbreviation check must not read as prefixes of longer ones.
     all_reserved: ClassVar[tuple[ReservedFlag, ...]] = ()
+    # The flags that name the directory the engine reads its tokenizer from instead of the
+    # model's (tokenizer_dir); empty: the engine takes no such flag.
+    tokenizer_flags: ClassVar[tuple[str, ...]] = ("--tokenizer",)
 
     @property
     def name(self) -> str:
@@ -235,6 +244,23 @@ class Engine(ABC):
 
         ``log`` is the end of the engine's output, as the agent read it."""
         return ""
+
+    def tokenizer_dir(self, profile: Profile) -> str | None:
+        """The directory on the node whose tokenizer files (``tokenizer.json``, its config, the
+        chat template) this engine reads for ``profile``, or None when it reads none that could
+        be shipped: what the agent gives the gateways to tokenize the model's prompts as the
+        engine does. The default: the value of the engine's tokenizer flag in the profile's
+        args, else ``model_path``.
+
+        A claim only, never checked here (this package reads no files): the agent ships a
+        directory that holds ``tokenizer.json`` and nothing else, and a profile's own
+        ``tokenizer`` field (a path, or ``none``) overrides this answer."""
+        named = (
+            flag_value(profile.args, self.tokenizer_flags, self.syntax, self.known_flags())
+            if self.tokenizer_flags
+            else None
+        )
+        return named or profile.model_path or None
 
     def list_devices_command(self, command: Command) -> tuple[str, tuple[str, ...]] | None:
         """A command that lists the GPUs the engine's build can see, or None."""

@@ -53,9 +53,15 @@ class LlamaCpp(Engine):
         ReservedFlag(_THREADS, "profile.threads"),
     )
     falls_back_to_cpu = True
+    tokenizer_flags = ()
 
     def __init__(self, cfg: LlamaCppConfig | None = None) -> None:
         self._cfg = cfg or LlamaCppConfig()
+
+    def tokenizer_dir(self, profile: Profile) -> str | None:
+        # llama-server reads its vocabulary and chat template from the GGUF file itself, which
+        # is no tokenizer.json: only a profile's `tokenizer:` directory gives the gateways one.
+        return None
 
     def reserved_flags(self, profile: Profile) -> list[ReservedFlag]:
         out = list(_RESERVED)

@@ -63,6 +63,8 @@ class SGLang(Engine):
     # 503 while ServerStatus.Starting, 200 once ready.
     readiness = Readiness(loading_statuses=frozenset({503}))
     all_reserved = _RESERVED
+    # launch_server names the tokenizer's directory --tokenizer-path (vLLM's --tokenizer).
+    tokenizer_flags = ("--tokenizer-path",)
 
     def __init__(self, cfg: SGLangConfig | None = None) -> None:
         self._cfg = cfg or SGLangConfig()

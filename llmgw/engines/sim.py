@@ -8,18 +8,19 @@ from SimConfig, which the agent fills in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import posixpath
+from collections.abc import Mapping
 
 from llmgw.engines.command import Command
 from llmgw.engines.config import SimConfig
 from llmgw.engines.engine import Engine, Readiness
 from llmgw.engines.env import materialize_env, shard_env
-from llmgw.engines.flags import ReservedFlag
+from llmgw.engines.flags import ReservedFlag, flag_value, has_flag
 from llmgw.engines.kv_config import kv_events_config
 from llmgw.engines.spec import Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
 
-__all__ = ["Sim"]
+__all__ = ["TINY_MODEL_DIR", "TOKENIZER_BUILTIN", "TOKENIZER_TINY", "Sim"]
 
 _PROGRAM = ("-m", "llmgw", "simengine")
 _RESERVED = (
@@ -33,9 +34,15 @@ _RESERVED = (
     ReservedFlag(("--kv-extra-key-format",), "profile.kv_hash.extra_key_format"),
 )
 
+# The simulator's `--tokenizer` keywords (any other value is a model directory): the packaged
+# tiny model, which the adapter passes to a profile whose args name no tokenizer, and the
+# constructed vocabulary, which has no files.
+TOKENIZER_TINY = "tiny"
+TOKENIZER_BUILTIN = "builtin"
 
-def _names_tokenizer(args: Sequence[str]) -> bool:
-    return any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in args)
+# The packaged tiny model's directory (its tokenizer.json and tokenizer_config.json): llmgw's
+# own, beside this package, wherever llmgw is installed.
+TINY_MODEL_DIR = posixpath.join(posixpath.dirname(posixpath.dirname(__file__)), "tinymodel")
 
 
 class Sim(Engine):
@@ -53,6 +60,16 @@ class Sim(Engine):
 
     def help_command(self, command: Command) -> tuple[str, tuple[str, ...]]:
         return self._cfg.python_executable, (*_PROGRAM, "--help")
+
+    def tokenizer_dir(self, profile: Profile) -> str | None:
+        # A sim profile's model_path is sim://..., never a directory: the files are those of
+        # the --tokenizer this adapter passes (the tiny model unless the args name another).
+        named = flag_value(profile.args, self.tokenizer_flags, self.syntax, self.known_flags())
+        if named is None or named == TOKENIZER_TINY:
+            return TINY_MODEL_DIR
+        if named == TOKENIZER_BUILTIN:
+            return None
+        return named
 
     def _commands(self, spec: ShardSpec, inherited: Mapping[str, str]) -> list[Command]:
         p = spec.profile
@@ -77,11 +94,12 @@ class Sim(Engine):
             args += ["--lora-modules", f"{a.name}={a.path}"]
         if p.kv_events:
             args += ["--kv-events-config", kv_events_config(spec)]
-        if not _names_tokenizer(p.args):
+        if not has_flag(p.args, self.tokenizer_flags, self.syntax, self.known_flags()):
             # sim:// models tokenize with the packaged tiny model's files by default, so the
-            # agent ships them and gateways tokenize locally exactly as this engine does;
-            # `--tokenizer builtin` in the profile's args keeps the constructed vocabulary.
-            args += ["--tokenizer", "tiny"]
+            # agent ships them (tokenizer_dir) and gateways tokenize locally exactly as this
+            # engine does; `--tokenizer builtin` in the profile's args keeps the constructed
+            # vocabulary.
+            args += ["--tokenizer", TOKENIZER_TINY]
         args += p.args
         extra: dict[str, str] = {}
         if spec.api_key:

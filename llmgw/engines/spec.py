@@ -22,6 +22,7 @@ __all__ = [
     "CPU_GPU_CLASS",
     "KV_HASH_ALGORITHM",
     "MAX_HASH_SEED",
+    "TOKENIZER_NONE",
     "Adapter",
     "ExtraKeyFormat",
     "GPUInfo",
@@ -36,6 +37,7 @@ __all__ = [
     "is_valid_hash_seed",
     "parse_gpus",
     "parse_shard_spec",
+    "tokenizer_problem",
 ]
 
 # PYTHONHASHSEED's range: Python accepts "random" or an integer in [0, 2**32 - 1].
@@ -73,6 +75,36 @@ def hash_seed_problem(seed: str) -> str | None:
         "start-up, so the engine would never run; 0 would switch off its string-hash "
         "randomization)"
     )
+
+
+# A profile's ``tokenizer`` that says the model has no local tokenizer: its agents ship no
+# files and the gateways never tokenize its prompts themselves.
+TOKENIZER_NONE = "none"
+
+
+def tokenizer_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a profile's ``tokenizer``, or None when it can.
+
+    The one rule for the field, used by the admin API's schema and the launch spec alike: empty
+    (the engine's own tokenizer), the keyword ``none``, or the absolute path of a directory on
+    the node. The value is not quoted back: it is checked, not echoed.
+    """
+    if value in ("", TOKENIZER_NONE):
+        return None
+    if any(c in value for c in "\x00\n\r"):
+        return (
+            "must not hold a NUL character or a line break: give the absolute path of the "
+            "directory holding tokenizer.json, e.g. /models/llama-3-8b-instruct"
+        )
+    if value.lower() == TOKENIZER_NONE:
+        return f"the keyword is {TOKENIZER_NONE!r}, in lower case"
+    if not value.startswith("/"):
+        return (
+            "must be the absolute path of a directory on the node holding tokenizer.json "
+            "(e.g. /models/llama-3-8b-instruct), 'none' (the model has no local tokenizer: "
+            "the gateways ask a replica's /tokenize), or empty (the engine's own tokenizer)"
+        )
+    return None
 
 
 ReplicaId = NewType("ReplicaId", str)
@@ -200,11 +232,24 @@ class Profile(_Wire):
     # gateways); 0: the engine's default (engines/admission.py). Not part of the fingerprint:
     # it changes what is sent to the process, not the process.
     max_in_flight: int = Field(default=0, ge=0, le=1_000_000)
+    # Where the gateways' copy of the model's tokenizer comes from: "" the engine's own
+    # (Engine.tokenizer_dir: its --tokenizer, else model_path), "none" no local tokenizer at all,
+    # else the directory on the node whose files the agent ships (tokenizer_problem). Not part
+    # of the fingerprint: it changes what the agent ships beside the process, not the process.
+    tokenizer: str = ""
 
     @field_validator("engine")
     @classmethod
     def _canonical_engine(cls, v: str) -> str:
         return canonical_engine(v)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_ok(cls, v: str) -> str:
+        problem = tokenizer_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="before")
     @classmethod

@@ -170,7 +170,11 @@ class Agent:
         self.inventory: NodeInventory = self._collect_inventory()
         self._inventory_at = time.monotonic()
         self.relay: Any = None
-        self.tokenizers = TokenizerShipper(self._upload_tokenizer)
+        self.tokenizers = TokenizerShipper(
+            self._upload_tokenizer,
+            engines=self.registry.get,
+            allowed_roots=self.policy.allowed_model_roots,
+        )
         self.supervisor = Supervisor(
             SupervisorConfig(
                 shards_root=self.state.shards_root,

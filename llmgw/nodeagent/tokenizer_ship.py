@@ -1,14 +1,18 @@
 """Shipping each ready shard's model tokenizer files to the control plane, once.
 
 The control plane usually does not hold the model; the gateways tokenize prompts locally with
-the model's own tokenizer files, so the agent reads them from the model directory on its node
-when a rank-0 shard first becomes ready and POSTs them (``protocol.tokenizers``). Which
-directory: the engine's ``--tokenizer`` argument where the profile passes one (vLLM and the
-simulator both take it; the simulator's ``tiny``, its adapter's default, is the packaged tiny
-model and ``builtin`` its constructed vocabulary, which has no files), else the profile's
-``model_path`` when it is a directory on this node holding a ``tokenizer.json``.
-A model with neither (a GGUF file, a hub name not on disk) ships nothing, and the gateways
-fall back to a replica's ``/tokenize``.
+the model's own tokenizer files, so the agent reads them from a directory on its node when a
+rank-0 shard first becomes ready and POSTs them (``protocol.tokenizers``). Which directory:
+
+- the profile's ``tokenizer`` when it is a path (an HF tokenizer directory beside a GGUF
+  model, say); one that holds no ``tokenizer.json`` is logged as a warning naming the path and
+  the field, and nothing is shipped;
+- nothing at all when it is ``none`` (the gateways then ask a replica's ``/tokenize``);
+- else the engine's own answer (``Engine.tokenizer_dir``: its ``--tokenizer`` argument, else
+  ``model_path``; the simulator's packaged tiny model; nothing for llama.cpp's GGUF files),
+  when that is a directory on this node holding a ``tokenizer.json``. A model with none (a
+  hub name not on disk) ships nothing, and the gateways fall back to a replica's
+  ``/tokenize``.
 
 Read: the named files only (``TOKENIZER_FILE_NAMES``), each capped, off the event loop.
 Shipped once per shard and set of files (a restart of the same engine ships nothing new; the
@@ -22,13 +26,16 @@ import asyncio
 import base64
 import time
 from collections.abc import Callable, Iterable, Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from llmgw.engines import TOKENIZER_NONE, Engine, Profile, reference_engine
 from llmgw.errors import LlmgwError
 from llmgw.kv.hf_tokenizer import MAX_FILE_BYTES, TOKENIZER_FILE_NAMES, TokenizerFiles
 from llmgw.logs import get_logger
+from llmgw.nodeagent.policy import under_root
 from llmgw.protocol.tokenizers import TokenizerUpload
 
 __all__ = ["TokenizerShipper", "read_tokenizer_files", "tokenizer_dir"]
@@ -36,30 +43,74 @@ __all__ = ["TokenizerShipper", "read_tokenizer_files", "tokenizer_dir"]
 log = get_logger("llmgw.nodeagent")
 
 Upload = Callable[[TokenizerUpload], Any]
+# The node's engine adapters by name (EngineRegistry.get): a SpecError for one it lacks.
+Engines = Callable[[str], Engine]
 
 
-def tokenizer_dir(spec: Mapping[str, Any]) -> Path | None:
-    """The model directory whose tokenizer files a shard's engine uses, from its launch spec."""
-    profile = spec.get("profile") if isinstance(spec.get("profile"), dict) else {}
-    assert isinstance(profile, dict)
-    args = [str(a) for a in profile.get("args") or ()]
-    named: str | None = None
-    for i, arg in enumerate(args):
-        if arg == "--tokenizer" and i + 1 < len(args):
-            named = args[i + 1]
-        elif arg.startswith("--tokenizer="):
-            named = arg.partition("=")[2]
-    if str(profile.get("engine", "")) == "sim":
-        # The sim adapter passes `--tokenizer tiny` unless the profile names one (its
-        # model_path is sim://..., never a directory); `builtin` is the constructed vocabulary.
-        if named is None or named == "tiny":
-            return Path(str(resources.files("llmgw") / "tinymodel"))
-        if named == "builtin":
+def _holds_tokenizer(directory: Path) -> bool:
+    return directory.is_dir() and (directory / "tokenizer.json").is_file()
+
+
+def _profile(spec: Mapping[str, Any]) -> Profile | None:
+    raw = spec.get("profile")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        return Profile.model_validate({"name": "unnamed", **raw})
+    except ValidationError:
+        return None
+
+
+def tokenizer_dir(
+    spec: Mapping[str, Any],
+    engines: Engines = reference_engine,
+    *,
+    allowed_roots: tuple[str, ...] = (),
+) -> Path | None:
+    """The directory whose tokenizer files to ship for a shard, from its launch spec; None:
+    nothing to ship. ``engines``: the node's adapters by engine name (``EngineRegistry.get``);
+    ``allowed_roots``: the node's ``agent.policy.allowed_model_roots``, which a profile's
+    tokenizer directory must sit under as a model does (none: anywhere).
+    """
+    profile = _profile(spec)
+    if profile is None or profile.tokenizer == TOKENIZER_NONE:
+        return None
+    if profile.tokenizer:
+        if allowed_roots and not under_root(profile.tokenizer, allowed_roots):
+            log.warning(
+                "profile_tokenizer_refused",
+                shard=str(spec.get("shard_id", "")),
+                profile=profile.name,
+                field="tokenizer",
+                path=profile.tokenizer,
+                problem="the profile's tokenizer directory is not under an allowed root "
+                f"({', '.join(allowed_roots)}; agent.policy.allowed_model_roots); nothing is "
+                "shipped and the gateways ask a replica's /tokenize",
+            )
             return None
-    candidate = Path(named) if named else Path(str(profile.get("model_path") or ""))
-    if str(candidate) and candidate.is_dir() and (candidate / "tokenizer.json").is_file():
-        return candidate
-    return None
+        directory = Path(profile.tokenizer)
+        if _holds_tokenizer(directory):
+            return directory
+        log.warning(
+            "profile_tokenizer_not_found",
+            shard=str(spec.get("shard_id", "")),
+            profile=profile.name,
+            field="tokenizer",
+            path=profile.tokenizer,
+            problem="the profile's tokenizer field names no directory holding tokenizer.json "
+            "on this node; nothing is shipped and the gateways ask a replica's /tokenize. "
+            "Point the field at the tokenizer's directory on every node, or set it to 'none'",
+        )
+        return None
+    try:
+        engine = engines(profile.engine)
+    except LlmgwError:
+        return None
+    claimed = engine.tokenizer_dir(profile)
+    if claimed is None:
+        return None
+    directory = Path(claimed)
+    return directory if _holds_tokenizer(directory) else None
 
 
 def read_tokenizer_files(directory: Path) -> TokenizerFiles:
@@ -74,9 +125,18 @@ def read_tokenizer_files(directory: Path) -> TokenizerFiles:
 
 
 class TokenizerShipper:
-    def __init__(self, upload: Upload, *, retry_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        upload: Upload,
+        *,
+        retry_s: float = 30.0,
+        engines: Engines = reference_engine,
+        allowed_roots: tuple[str, ...] = (),
+    ) -> None:
         self._upload = upload
         self._retry_s = retry_s
+        self._engines = engines
+        self._allowed_roots = allowed_roots
         self._shipped: dict[str, str] = {}  # shard -> digest shipped
         self._tried: dict[str, float] = {}  # shard -> when an upload last failed
         self._task: asyncio.Task[None] | None = None
@@ -107,7 +167,7 @@ class TokenizerShipper:
 
     async def _ship(self, due: list[tuple[str, Mapping[str, Any]]]) -> None:
         for sid, spec in due:
-            directory = tokenizer_dir(spec)
+            directory = tokenizer_dir(spec, self._engines, allowed_roots=self._allowed_roots)
             if directory is None:
                 self._shipped[sid] = ""  # nothing to ship for this model: never asked again
                 continue

@@ -14,10 +14,10 @@ Must NOT do I/O but reading the named directory's tokenizer files once, at start
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from llmgw.engines.sim import TINY_MODEL_DIR
 from llmgw.kv.hf_tokenizer import (
     MAX_FILE_BYTES,
     TOKENIZER_FILE_NAMES,
@@ -31,7 +31,7 @@ __all__ = ["HfEngineTokenizer", "read_tokenizer_dir", "tiny_model_dir"]
 
 def tiny_model_dir() -> Path:
     """The packaged tiny model's directory (its tokenizer.json and tokenizer_config.json)."""
-    return Path(str(resources.files("llmgw") / "tinymodel"))
+    return Path(TINY_MODEL_DIR)
 
 
 def read_tokenizer_dir(directory: Path) -> TokenizerFiles:

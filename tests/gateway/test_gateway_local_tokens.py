@@ -272,6 +272,46 @@ def test_local_tokenizing_routes_and_a_planted_template_falls_back(
         assert _sample(gw, "llmgw_prefix_tokenize_local_seconds_count", {"model": "m"}) == 1
 
 
+def test_a_route_whose_profile_says_none_is_never_tokenized_here(
+    sims: dict[str, tuple[SimProcess, Path]],
+) -> None:
+    """``tokenizer: none`` on a profile reaches the gateway on the route (store.routes): with
+    the model's files loaded, its prompts go to a replica's /tokenize from the next request on,
+    and back to local tokens when the route no longer says so."""
+    sim, directory = sims["tiny"]
+    settings = GatewaySettings(tokenize_timeout_s=2.0, tokenizer_verify_first=0)
+    files = _Files({"m": read_tokenizer_dir(directory)})
+    table = _sims_table(sim)
+    route = table.routes["m"]
+    off = RouteTable({"m": ModelRoute("m", "m", None, route.endpoints, tokenizer_none=True)}, 2.0)
+    mode, local, remote = (
+        "llmgw_prefix_tokenizer_mode",
+        "llmgw_prefix_tokenize_local_seconds_count",
+        "llmgw_prefix_tokenize_seconds_count",
+    )
+    with serve_gateway(table, KEYS, settings=settings, intake=_intake(),
+                       tokenizer_files=files) as gw:  # fmt: skip
+        _wait(lambda: gw.gateway.local.mode("m") == "local", "the files load")
+        _chat(gw, 0)
+        assert (_sample(gw, local, {"model": "m"}), _sample(gw, remote, {"model": "m"})) == (1, 0)
+        # The profile is edited to none: the route table the gateway reads next says so.
+        gw.gateway.routes.table = off  # type: ignore[misc]
+        for i in (1, 2):
+            _chat(gw, i)
+        assert (_sample(gw, local, {"model": "m"}), _sample(gw, remote, {"model": "m"})) == (1, 2)
+        gw.gateway._report_tokenizer_modes()
+        assert _sample(gw, mode, {"model": "m", "mode": "remote"}) == 1
+        assert _sample(gw, "llmgw_prefix_tokenizer_profile_none", {"model": "m"}) == 1
+        # The files stayed loaded: the edit back tokenizes locally again at once.
+        assert gw.gateway.local.mode("m") == "local"
+        gw.gateway.routes.table = table  # type: ignore[misc]
+        _chat(gw, 3)
+        assert (_sample(gw, local, {"model": "m"}), _sample(gw, remote, {"model": "m"})) == (2, 2)
+        gw.gateway._report_tokenizer_modes()
+        assert _sample(gw, mode, {"model": "m", "mode": "local"}) == 1
+        assert _sample(gw, "llmgw_prefix_tokenizer_profile_none", {"model": "m"}) == 0
+
+
 def _sync_index(intake: KvIntake, sims: list[SimProcess], versions: dict[str, int]) -> None:
     """Each engine's blocks, as the agent's full copy of its mirror would carry them."""
     placed = {f"s{i}": PlacedShard("node", "m", 16) for i in range(len(sims))}

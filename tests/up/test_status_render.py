@@ -94,6 +94,14 @@ def test_the_screen_says_how_each_model_is_tokenized() -> None:
         'llmgw_prefix_tokenizer_mismatches_total{model="other"} 1.0\n'
     )
     assert tokenizer_modes(text) == {"demo": "local", "other": "remote (mismatch)"}
+    # A profile's `tokenizer: none` is the reason shown, before an old mismatch.
+    by_profile = (
+        text
+        + "# TYPE llmgw_prefix_tokenizer_profile_none gauge\n"
+        + 'llmgw_prefix_tokenizer_profile_none{model="demo"} 0.0\n'
+        + 'llmgw_prefix_tokenizer_profile_none{model="other"} 1.0\n'
+    )
+    assert tokenizer_modes(by_profile) == {"demo": "local", "other": "remote (profile)"}
     row = {"decisions": 1, "hits": 1, "precise": 1, "hit_rate": 1.0, "tokenizer": "local"}
     screen = render(_data({"demo": row}))
     assert "TOKENIZING" in screen and "local" in screen

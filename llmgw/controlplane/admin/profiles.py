@@ -26,7 +26,7 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
-from llmgw.controlplane.profile_checks import LAUNCH_FIELDS, check_profile
+from llmgw.controlplane.profile_checks import SPEC_FIELDS, check_profile
 from llmgw.controlplane.schemas import (
     AdapterBody,
     Page,
@@ -41,9 +41,10 @@ __all__ = ["profile_fields", "profile_out", "router", "save_profile_changes"]
 
 router = APIRouter(tags=["profiles"])
 
-# Every stored field the engine check sees. multinode_backend changes how a multi-node
-# replica is launched; listed here whether or not profile_checks lists it yet.
-_CHECKED = tuple(dict.fromkeys((*LAUNCH_FIELDS, "multinode_backend")))
+# Every stored field the engine check sees: what a launch spec carries (the tokenizer too: it
+# must be one the agent can read, though it changes no fingerprint). multinode_backend changes
+# how a multi-node replica is launched; listed here whether or not profile_checks lists it yet.
+_CHECKED = tuple(dict.fromkeys((*SPEC_FIELDS, "multinode_backend")))
 
 
 def _view(p: Profile, model_name: str) -> ProfileOut:
@@ -70,6 +71,7 @@ def _view(p: Profile, model_name: str) -> ProfileOut:
         kv_extra_key_format=p.kv_extra_key_format,
         multinode_backend=p.multinode_backend,
         max_in_flight=p.max_in_flight,
+        tokenizer=p.tokenizer,
         description=p.description,
         fingerprint=p.fingerprint,
         version=p.version,

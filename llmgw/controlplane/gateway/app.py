@@ -265,6 +265,8 @@ class Gateway(Generic[K]):
             mode = self.tokenizer_mode(route)
             for m in MODES:
                 metrics.gauge(metrics.tokenizer_mode, 1.0 if m == mode else 0.0, route.name, m)
+            none = 1.0 if route.tokenizer_none else 0.0
+            metrics.gauge(metrics.tokenizer_profile_none, none, route.name)
 
     def tokenizer_mode(self, route: ModelRoute) -> str:
         """How precise routing tokenizes the route's prompts: "local", "remote" or "none"."""
@@ -272,9 +274,14 @@ class Gateway(Generic[K]):
             return "none"
         if route.endpoints and not any(ep.hash is not None for ep in route.endpoints):
             return "none"
-        if not self.settings.local_tokenize:
+        if not self._tokenizes_locally(route):
             return "remote"
         return self.local.mode(route.base)
+
+    def _tokenizes_locally(self, route: ModelRoute) -> bool:
+        """Whether the route's prompts may be tokenized here at all: the setting allows it, and
+        no profile serving the model says ``tokenizer: none``."""
+        return self.settings.local_tokenize and not route.tokenizer_none
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -573,7 +580,7 @@ class Gateway(Generic[K]):
         block = block_size(hashed)
         if len(prompt.text) < self.settings.precise_min_blocks * block * _CHARS_PER_TOKEN:
             return None
-        if self.settings.local_tokenize and self.tokenizer_files is not None:
+        if self.tokenizer_files is not None and self._tokenizes_locally(route):
             local = await self._local_tokens(route, hashed, body, prompt, chat)
             if local is not None:
                 return local

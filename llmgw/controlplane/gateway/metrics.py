@@ -29,6 +29,7 @@ class GatewayMetrics:
     tokenize_local_seconds: Histogram
     tokenizer_mode: Gauge
     tokenizer_mismatches: Counter
+    tokenizer_profile_none: Gauge
     index_blocks: Gauge
     approx_entries: Gauge
     requests: Counter
@@ -128,6 +129,14 @@ class GatewayMetrics:
                 "llmgw_prefix_tokenizer_mismatches",
                 "Verifications where the gateway's local tokens differed from a replica's "
                 "/tokenize (each turns local tokenizing off for those files).",
+                ["model"],
+                registry=registry,
+            ),
+            tokenizer_profile_none=Gauge(
+                "llmgw_prefix_tokenizer_profile_none",
+                "1 where a profile serving the model says `tokenizer: none`: its prompts are "
+                "never tokenized in the gateway (mode remote, whatever files are stored), 0 "
+                "otherwise.",
                 ["model"],
                 registry=registry,
             ),

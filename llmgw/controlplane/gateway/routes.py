@@ -9,6 +9,9 @@ A replica is *ready* (the statement decides) when it is active (not draining or 
 shard is desired running, its agent reports the shard ready and gives a proxy URL. Names of deployments whose
 replicas are all unready (or that have none: scaled to zero, all replaced in a rollout) stay in
 the table, so a client gets 503 (retry) instead of 404 (wrong name).
+Each replica's admission ceiling and each name's ``tokenizer_none`` (a profile serving it says
+``tokenizer: none``) are the profiles' live values, so an edit reaches the gateways within
+seconds without a roll.
 
 ``RouteCache`` re-reads every ``refresh_s`` and at once on a NOTIFY of the desired-state
 channel (a drain, a new deployment). When Postgres is down it keeps the last table: the
@@ -75,6 +78,10 @@ class ModelRoute:
     # An autoscaled deployment serves the name: with no ready replica a request waits in the
     # queue while its demand wakes one (scale from zero), instead of an immediate 503.
     wakeable: bool = False
+    # A profile serving the name (a deployment's, or one a live replica was launched from)
+    # says `tokenizer: none`: the gateway never tokenizes its prompts itself, whatever files
+    # are stored for it (a replica's /tokenize, then the approximate tree).
+    tokenizer_none: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +127,12 @@ def build_table(
     models: dict[str, list[Endpoint]] = {}
     adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
     wakeable: set[str] = set()
+    no_local: set[str] = set()  # names a profile serving them says `tokenizer: none` for
     for d in declared:
         models.setdefault(d.name, [])
+        if d.tokenizer_none:
+            no_local.add(d.name)
+            no_local.update(lora for lora, _ in d.adapters)
         if d.autoscaled:
             wakeable.add(d.name)
             wakeable.update(lora for lora, _ in d.adapters)
@@ -148,6 +159,9 @@ def build_table(
             incarnation=row.incarnation,
             max_in_flight=row.max_in_flight or 1 << 20,
         )
+        if row.tokenizer_none:
+            no_local.add(name)
+            no_local.update(loras)
         eps = models.setdefault(name, [])
         if row.ready:
             eps.append(ep)
@@ -158,14 +172,25 @@ def build_table(
     routes: dict[str, ModelRoute] = {}
     for name, eps in models.items():
         routes[name] = ModelRoute(
-            name, name, None, tuple(sorted(eps, key=lambda e: e.replica)), name in wakeable
+            name,
+            name,
+            None,
+            tuple(sorted(eps, key=lambda e: e.replica)),
+            name in wakeable,
+            name in no_local,
         )
     for lora, (base, path, eps) in adapters.items():
         if lora in routes:
             log.warning("gateway_name_conflict", name=lora, kept="model", dropped="adapter")
             continue
         routes[lora] = ModelRoute(
-            lora, base, (lora, path), tuple(sorted(eps, key=lambda e: e.replica)), lora in wakeable
+            lora,
+            base,
+            (lora, path),
+            tuple(sorted(eps, key=lambda e: e.replica)),
+            lora in wakeable,
+            # An adapter's prompts are tokenized with its base model's files.
+            lora in no_local or base in no_local,
         )
     return RouteTable(routes, read_at)
 

@@ -36,6 +36,9 @@ class RouteRow:
     # The gateways' admission ceiling for the replica: the profile's live max_in_flight (an
     # edit takes effect without a roll), else the engine's default for the launched profile.
     max_in_flight: int = 0
+    # The profile that launched the shard says `tokenizer: none` (its live value, else the one
+    # its launch spec carries): the gateways never tokenize the model's prompts themselves.
+    tokenizer_none: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class DeclaredRow:
     # The deployment has an autoscale policy and is not suspended by an operator: a request
     # finding no ready replica is held (its demand wakes one), not refused at once.
     autoscaled: bool = False
+    # The deployment's profile says `tokenizer: none`.
+    tokenizer_none: bool = False
 
 
 _READ = text(
@@ -57,11 +62,16 @@ _READ = text(
     "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS index_model, "
     "coalesce(s.launch_spec -> 'profile', '{}'::jsonb) AS profile, "
     "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation, "
-    "coalesce(p.max_in_flight, 0) AS max_in_flight "
+    "coalesce(p.max_in_flight, 0) AS max_in_flight, "
+    "coalesce(lp.tokenizer, s.launch_spec #>> '{profile,tokenizer}', '') = 'none' "
+    "AS tokenizer_none "
     "FROM shards s JOIN replicas r ON r.id = s.replica_id "
     "LEFT JOIN deployments d ON d.id = r.deployment_id "
     "LEFT JOIN models m ON m.id = d.model_id "
     "LEFT JOIN profiles p ON p.id = d.profile_id "
+    # The profile the shard was launched from, by the name its spec carries: during a rollout
+    # to another profile it is not the deployment's.
+    "LEFT JOIN profiles lp ON lp.name = s.launch_spec #>> '{profile,name}' "
     "WHERE NOT s.released AND s.rank = 0 AND r.state <> 'stopping'"
 )
 
@@ -69,7 +79,7 @@ _READ = text(
 _DECLARED = text(
     "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters, "
     "(d.autoscale IS NOT NULL AND d.state = 'active') "
-    "AS autoscaled "
+    "AS autoscaled, p.tokenizer = 'none' AS tokenizer_none "
     "FROM deployments d JOIN models m ON m.id = d.model_id "
     "JOIN profiles p ON p.id = d.profile_id"
 )
@@ -86,7 +96,7 @@ async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
             for a in raw
             if isinstance(a, dict) and a.get("name")
         )
-        out.append(DeclaredRow(str(r.name), loras, bool(r.autoscaled)))
+        out.append(DeclaredRow(str(r.name), loras, bool(r.autoscaled), bool(r.tokenizer_none)))
     return out
 
 
@@ -104,6 +114,7 @@ async def read_routes(session: AsyncSession) -> list[RouteRow]:
             profile=r.profile if isinstance(r.profile, dict) else {},
             incarnation=r.incarnation or "",
             max_in_flight=r.max_in_flight or _default_ceiling(r.profile),
+            tokenizer_none=bool(r.tokenizer_none),
         )
         for r in result
     ]

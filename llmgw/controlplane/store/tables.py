@@ -106,6 +106,9 @@ _VALID_HASH_SEED_SQL = (
     "THEN kv_hash_seed::bigint <= 4294967295 ELSE false END"
 )
 
+# A profile's tokenizer: empty, the keyword, or an absolute path (the API checks the rest).
+_TOKENIZER_SQL = "tokenizer = '' OR tokenizer = 'none' OR left(tokenizer, 1) = '/'"
+
 
 def _in(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
@@ -197,6 +200,7 @@ class Profile(_Versioned, Base):
         CheckConstraint(
             _in("multinode_backend", MULTINODE_BACKENDS), name="multinode_backend_known"
         ),
+        CheckConstraint(_TOKENIZER_SQL, name="tokenizer_valid"),
         # What deployments' composite foreign key points at: a deployment's profile must be
         # one of its own model's profiles, whoever writes the row.
         UniqueConstraint("id", "model_id"),
@@ -233,6 +237,10 @@ class Profile(_Versioned, Base):
     # The gateways' admission ceiling per replica; 0: the engine's default
     # (llmgw.engines.admission). Read live by the route table, never in the fingerprint.
     max_in_flight: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # Where the gateways' tokenizer comes from: "" the engine's own, "none", or a directory on
+    # the nodes (llmgw.engines.tokenizer_problem). Read live by the route table, carried in
+    # the launch specs of shards placed after an edit, never in the fingerprint.
+    tokenizer: Mapped[str] = mapped_column(Text, server_default="")
     fingerprint: Mapped[str] = mapped_column(Text)
 
     model: Mapped[Model] = relationship(back_populates="profiles")

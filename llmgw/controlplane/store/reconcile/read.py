@@ -42,7 +42,7 @@ from llmgw.controlplane.planner.snapshot import (
     ShardView,
     Snapshot,
 )
-from llmgw.controlplane.profile_checks import LAUNCH_FIELDS, engine_profile
+from llmgw.controlplane.profile_checks import SPEC_FIELDS, engine_profile
 from llmgw.controlplane.store.tables import (
     Deployment,
     DeploymentAutoscale,
@@ -204,7 +204,7 @@ def _scale_state(dep: Deployment, row: DeploymentAutoscale | None) -> ScaleState
 
 
 def _engine_profile(p: Profile, model_name: str) -> EngineProfile:
-    fields = {name: getattr(p, name) for name in LAUNCH_FIELDS}
+    fields = {name: getattr(p, name) for name in SPEC_FIELDS}
     return engine_profile(p.name, fields, model=model_name)
 
 
