@@ -81,8 +81,11 @@ class Engine(ABC):
     # without an error; the agent checks it is on its GPUs before calling it
     # ready (cpu_fallback_in_log, then list_devices_command).
     falls_back_to_cpu: ClassVar[bool] = False
-    # The engine can free its GPU memory and resume without a restart.
-    supports_suspend: ClassVar[bool] = False
+    # The engine can free its GPU memory and resume without a restart: the agent POSTs these
+    # paths (with their queries) to its HTTP port, in order. Empty: it cannot, and an idle
+    # replica the control plane suspends is stopped instead (can_suspend).
+    suspend_calls: ClassVar[tuple[str, ...]] = ()
+    resume_calls: ClassVar[tuple[str, ...]] = ()
     # A multi-node replica's ranks must get the same GPU indices and HCA names
     # on every node: the leader's launcher copies its own values to every rank
     # (TensorRT-LLM's `mpirun -x`).
@@ -244,6 +247,12 @@ class Engine(ABC):
 
         ``log`` is the end of the engine's output, as the agent read it."""
         return ""
+
+    def can_suspend(self, profile: Profile) -> bool:
+        """Whether a shard of ``profile`` suspends (suspend_calls) rather than stops when the
+        control plane wants it asleep; an engine whose suspend is a launch option (vLLM's
+        sleep mode) answers from the profile."""
+        return bool(self.suspend_calls)
 
     def tokenizer_dir(self, profile: Profile) -> str | None:
         """The directory on the node whose tokenizer files (``tokenizer.json``, its config, the

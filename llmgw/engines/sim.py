@@ -50,7 +50,10 @@ class Sim(Engine):
     # Unlike vLLM the simulator answers while "loading": 503, then 200.
     readiness = Readiness(loading_statuses=frozenset({503}))
     all_reserved = _RESERVED
-    supports_suspend = True
+    # Megatron's coordinator, which the simulator follows, suspends only a paused engine and
+    # resumes to paused: pause then suspend, resume then unpause.
+    suspend_calls = ("/pause", "/suspend")
+    resume_calls = ("/resume", "/unpause")
 
     def __init__(self, cfg: SimConfig | None = None) -> None:
         self._cfg = cfg or SimConfig()

@@ -13,7 +13,7 @@ from llmgw.engines.command import Command
 from llmgw.engines.config import VLLMConfig
 from llmgw.engines.engine import Engine, Readiness, host_port
 from llmgw.engines.env import materialize_env, shard_env
-from llmgw.engines.flags import ReservedFlag
+from llmgw.engines.flags import ReservedFlag, arg_sets_flag
 from llmgw.engines.kv_config import kv_events_config
 from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
@@ -78,6 +78,12 @@ class VLLM(Engine):
     )
     readiness = Readiness(loading_statuses=frozenset())
     all_reserved = (*_ALWAYS, *_KV_EVENTS)
+    # Sleep mode (a profile's --enable-sleep-mode): level 1 moves the weights to host memory
+    # and drops the KV cache (vLLM publishes AllBlocksCleared); "wait" lets requests already
+    # running finish first instead of aborting them. A release without the mode parameter
+    # ignores it. /wake_up brings everything back.
+    suspend_calls = ("/sleep?level=1&mode=wait",)
+    resume_calls = ("/wake_up",)
 
     def __init__(self, cfg: VLLMConfig | None = None) -> None:
         self._cfg = cfg or VLLMConfig()
@@ -92,6 +98,17 @@ class VLLM(Engine):
                 f"CUDA_VISIBLE_DEVICES=MIG-<uuid>; check the build this node runs"
             ]
         return []
+
+    def can_suspend(self, profile: Profile) -> bool:
+        """Whether the profile's args turn vLLM's sleep mode on (the last spelling wins, as
+        argparse's BooleanOptionalAction keeps it); without it an idle replica is stopped."""
+        on = False
+        for arg in profile.args:
+            if arg_sets_flag(arg, "--enable-sleep-mode", self.syntax):
+                on = True
+            elif arg_sets_flag(arg, "--no-enable-sleep-mode", self.syntax):
+                on = False
+        return on
 
     def use_installed(self, path: str) -> bool:
         self._cfg = self._cfg.model_copy(update={"path": path})
@@ -158,6 +175,13 @@ class VLLM(Engine):
             # <= 0.28 picks a random root per process (no replica would match the
             # router) and 0.29+ a fixed public default: set it explicitly either way.
             extra["PYTHONHASHSEED"] = p.kv_hash.seed
+        if self.can_suspend(p):
+            # vLLM serves /sleep and /wake_up only in its development mode, which also opens
+            # other unauthenticated control routes (its --api-key guards /v1 alone). Safe
+            # here because engines listen on loopback (agent.engine_bind_addr; off it only on
+            # a trusted management network) and the shard's front door forwards /v1,
+            # /tokenize, /health and /metrics only.
+            extra["VLLM_SERVER_DEV_MODE"] = "1"
         if spec.nnodes > 1:
             # Without it Ray and vLLM may pick different NICs on a multi-NIC
             # node, and the placement group never fits.

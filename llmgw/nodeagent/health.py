@@ -35,6 +35,7 @@ class HealthProber:
         self.cfg = config
         self._wrapper_env = wrapper_env
         self._client = httpx.AsyncClient(timeout=config.health_timeout_s, trust_env=False)
+        self._control_client = httpx.AsyncClient(timeout=config.control_timeout_s, trust_env=False)
 
     async def probe_all(self, runtimes: Iterable[ShardRuntime], now: float) -> None:
         live = [rt for rt in runtimes if rt.phase in ("live", "unadopted")]
@@ -129,18 +130,19 @@ class HealthProber:
         return rt.cpu_fallback
 
     async def control(self, rt: ShardRuntime, what: str) -> None:
-        """Suspend (free the GPUs, keep the process) or resume an engine that supports it.
-
-        Megatron's coordinator, which the simulator follows, only suspends a
-        paused engine and resumes to paused: pause then suspend, resume then
-        unpause. A step already done answers 409, which is not a failure.
+        """Suspend (free the GPUs, keep the process) or resume an engine that supports it, with
+        the engine's own calls (``Engine.suspend_calls``, ``resume_calls``). A step already
+        done answers 409, which is not a failure.
         """
+        engine = rt.engine
+        if engine is None:
+            return
         host = str(rt.record.spec.get("bind_addr") or "127.0.0.1")
         base = f"http://{host}:{rt.record.http_port}"
-        steps = ("pause", "suspend") if what == "suspend" else ("resume", "unpause")
+        steps = engine.suspend_calls if what == "suspend" else engine.resume_calls
         for step in steps:
             try:
-                r = await self._client.post(f"{base}/{step}")
+                r = await self._control_client.post(f"{base}{step}")
             except httpx.HTTPError as e:
                 log.warning("shard_control_failed", shard=rt.shard_id, action=step, error=str(e))
                 return
@@ -154,3 +156,4 @@ class HealthProber:
 
     async def close(self) -> None:
         await self._client.aclose()
+        await self._control_client.aclose()

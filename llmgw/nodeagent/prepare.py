@@ -99,7 +99,11 @@ class PreparedShard:
 
     @property
     def suspendable(self) -> bool:
-        return self.engine is not None and self.engine.supports_suspend
+        return (
+            self.engine is not None
+            and self.spec is not None
+            and self.engine.can_suspend(self.spec.profile)
+        )
 
 
 def stored_spec(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,8 @@ class Supervisor:
         # Shards reported without a runtime: unreadable records, refused specs.
         self.notes: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Shards with a suspend or resume call under way.
+        self._controlling: set[str] = set()
         self._held_logged: tuple[str, ...] = ()
         # Shards whose start failed before a wrapper ran: when to try again.
         self._retry_at: dict[str, float] = {}
@@ -268,7 +270,7 @@ class Supervisor:
         elif a.kind == "forget" and rt is not None:
             self._forget(rt)
         elif a.kind in ("suspend", "resume") and rt is not None:
-            await self._health.control(rt, a.kind)
+            self._begin_control(rt, a.kind)
 
     def _prepared(self, shard_id: str) -> PreparedShard | None:
         return (self.desired or {}).get(shard_id)
@@ -310,6 +312,17 @@ class Supervisor:
             log.error("shard_start_failed", shard=shard_id, error=why)
         self.notes[shard_id] = why
         self._retry_at[shard_id] = now + self.cfg.start_retry_s
+
+    def _begin_control(self, rt: ShardRuntime, what: str) -> None:
+        """Suspend or resume in the background: a vLLM sleep may take tens of seconds, which
+        the loop (probes, other shards) must not wait for; one call at a time per shard."""
+        if rt.shard_id in self._controlling:
+            return
+        self._controlling.add(rt.shard_id)
+        task = asyncio.create_task(self._health.control(rt, what))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _t: self._controlling.discard(rt.shard_id))
 
     def _begin_stop(self, rt: ShardRuntime, *, then: str, on_purpose: str = "") -> None:
         rt.phase = "stopping"

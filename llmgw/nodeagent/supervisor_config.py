@@ -38,6 +38,9 @@ class SupervisorConfig:
     log_max_bytes: int = 16 << 20
     log_backups: int = 3
     health_timeout_s: float = 2.0
+    # One suspend or resume call: vLLM's sleep copies the weights to host memory and its wake
+    # copies them back (seconds to tens of seconds for a large model).
+    control_timeout_s: float = 120.0
     # How long a stopped shard's GPUs may take to show free of its processes.
     gpu_release_s: float = 30.0
     # Where adapters fetched from http(s) sources are stored (adapters.py).

@@ -4,31 +4,15 @@ created / configured / unchanged, dry runs that write nothing."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from admin_testkit import ControlPlane, count, name, running_controlplane, sql
-from pg_harness import PgServer
+from admin_testkit import ControlPlane, count, name, sql
 
 pytestmark = pytest.mark.timeout(60)
 
 _TABLES = ("models", "profiles", "deployments", "audit_log")
-
-
-@pytest.fixture(scope="module")
-def cp(
-    pg_server: PgServer, _pg_template: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ControlPlane]:
-    with running_controlplane(pg_server, _pg_template, tmp_path_factory.mktemp("cp")) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cp: ControlPlane) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"{cp.url}/admin/v1", headers=cp.headers, timeout=10) as c:
-        yield c
 
 
 def _docs(model: str, profile: str, dep: str, **profile_extra: Any) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ generations, and the NOTIFY that wakes the reconciler."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,28 +17,12 @@ from admin_testkit import (
     insert_node,
     insert_replica,
     name,
-    running_controlplane,
     sql,
 )
-from pg_harness import PgServer
 
 from llmgw.embedded_postgres import libpq_url as libpq
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def cp(
-    pg_server: PgServer, _pg_template: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ControlPlane]:
-    with running_controlplane(pg_server, _pg_template, tmp_path_factory.mktemp("cp")) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cp: ControlPlane) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"{cp.url}/admin/v1", headers=cp.headers, timeout=10) as c:
-        yield c
 
 
 def _ok(r: httpx.Response, status: int = 200) -> Any:

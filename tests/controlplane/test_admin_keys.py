@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
-from admin_testkit import ControlPlane, count, name, run_cli, running_controlplane, sql
-from pg_harness import PgServer
+from admin_testkit import ControlPlane, count, name, run_cli, sql
 from structlog.testing import capture_logs
 
 from llmgw.commands.keys import parse_time
@@ -26,20 +25,6 @@ from llmgw.embedded_postgres import libpq_url as libpq
 from llmgw.errors import SpecError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def cp(
-    pg_server: PgServer, _pg_template: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ControlPlane]:
-    with running_controlplane(pg_server, _pg_template, tmp_path_factory.mktemp("cp")) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cp: ControlPlane) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"{cp.url}/admin/v1", headers=cp.headers, timeout=10) as c:
-        yield c
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ over real HTTP to a real `llmgw controlplane` and Postgres.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,21 +19,11 @@ from admin_testkit import (
     insert_replica,
     name,
     run_cli,
-    running_controlplane,
     sql,
 )
 from agentapi_testkit import running_agent_api
-from pg_harness import PgServer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def cp(
-    pg_server: PgServer, _pg_template: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ControlPlane]:
-    with running_controlplane(pg_server, _pg_template, tmp_path_factory.mktemp("cp")) as c:
-        yield c
 
 
 def _fleet_yaml(model: str, profile: str, dep: str, *, replicas: int = 1) -> str:

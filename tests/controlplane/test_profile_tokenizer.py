@@ -11,16 +11,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
 import psycopg
 import pytest
-from admin_testkit import ControlPlane, name, run_cli, running_controlplane, sql
+from admin_testkit import ControlPlane, name, run_cli, sql
 from agentapi_testkit import launch_spec, place_shard
-from pg_harness import PgServer
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import CursorResult, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -40,20 +39,6 @@ from llmgw.embedded_postgres import libpq_url
 from llmgw.simengine.hf_tokens import read_tokenizer_dir, tiny_model_dir
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def cp(
-    pg_server: PgServer, _pg_template: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ControlPlane]:
-    with running_controlplane(pg_server, _pg_template, tmp_path_factory.mktemp("cp")) as c:
-        yield c
-
-
-@pytest.fixture
-def client(cp: ControlPlane) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"{cp.url}/admin/v1", headers=cp.headers, timeout=10) as c:
-        yield c
 
 
 def _profile_body(model: str, profile: str, **extra: Any) -> dict[str, Any]:

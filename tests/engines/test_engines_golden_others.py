@@ -218,7 +218,8 @@ def test_megatron_single_node_uses_a_standalone_rendezvous() -> None:
     assert c.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     eng = registry().get("megatron")
     assert eng.metrics_path is None
-    assert eng.supports_suspend
+    assert eng.suspend_calls == ("/pause", "/suspend")
+    assert eng.resume_calls == ("/resume", "/unpause")
     assert eng.help_command(c) == (
         "python3",
         ("-m", "examples.inference.launch_inference_server", "--help"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engines_testkit import SEED, build, profile, spec
+from engines_testkit import SEED, build, profile, registry, spec
 
 from llmgw.engines import Adapter, KVHashParams
 
@@ -189,3 +189,26 @@ def test_mig_instance_is_addressed_by_uuid() -> None:
     s = spec(profile(), gpu_indices=[1000], gpu_uuids=["MIG-5c3f6a7e-0000-4c1f-9a1e-1234567890ab"])
     [c] = build(s)
     assert c.env["CUDA_VISIBLE_DEVICES"] == "MIG-5c3f6a7e-0000-4c1f-9a1e-1234567890ab"
+
+
+def test_sleep_mode_makes_a_replica_suspendable_with_vllms_own_calls() -> None:
+    eng = registry().get("vllm")
+    plain = profile()
+    assert not eng.can_suspend(plain)  # no sleep mode: an idle replica is stopped
+    assert "VLLM_SERVER_DEV_MODE" not in build(spec(plain))[0].env
+
+    sleepy = profile(args=["--enable-sleep-mode"])
+    assert eng.can_suspend(sleepy)
+    [c] = build(spec(sleepy))
+    assert c.args[-1] == "--enable-sleep-mode"
+    # vLLM serves /sleep and /wake_up only in its development mode.
+    assert c.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert eng.suspend_calls == ("/sleep?level=1&mode=wait",)
+    assert eng.resume_calls == ("/wake_up",)
+    # The last spelling wins, as argparse's BooleanOptionalAction keeps it; an
+    # abbreviation and the underscore spelling are the flag too.
+    assert not eng.can_suspend(profile(args=["--enable-sleep-mode", "--no-enable-sleep-mode"]))
+    assert eng.can_suspend(profile(args=["--no-enable-sleep-mode", "--enable_sleep_mode"]))
+    assert eng.can_suspend(profile(args=["--enable-sleep"]))
+    # Other engines without a suspend never are.
+    assert not registry().get("sglang").can_suspend(profile(engine="sglang"))

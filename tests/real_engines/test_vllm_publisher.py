@@ -166,6 +166,13 @@ class Engine:
         assert answer["shape"] == SHAPES[self.version], answer
         return answer
 
+    def control_calls(self) -> list[str]:
+        """The sleep and wake calls the engine received, in order (its test-only route)."""
+        r = self.http.get(f"http://127.0.0.1:{self.http_port}/control_calls")
+        assert r.status_code == 200, r.text
+        calls: list[str] = r.json()
+        return calls
+
     def _apply(self, event: Event) -> None:
         if event["type"] == "AllBlocksCleared":
             self.blocks.clear()
@@ -288,8 +295,9 @@ class Fleet:
                 {"kind": "model", "name": name},
                 {"kind": "profile", "name": name, "model": name, "engine": "vllm",
                  "gpu_class": GPU_CLASS, "model_path": f"/models/{name}", "kv_events": True,
-                 # Appended to the adapter's flags: which release's publisher to run.
-                 "args": ["--vllm-source", str(source)]},
+                 # Appended to the adapter's flags: which release's publisher to run, and
+                 # vLLM's sleep mode, which makes its replicas suspendable.
+                 "args": ["--vllm-source", str(source), "--enable-sleep-mode"]},
                 {"kind": "deployment", "name": name, "model": name, "profile": name,
                  "replicas": 1},
             ]  # fmt: skip
@@ -415,3 +423,45 @@ def test_vllms_own_publisher_keeps_the_index_equal_to_its_blocks(fleet: Fleet) -
         e.publish(*e.burst(2), [{"type": "AllBlocksCleared"}], [e.stores(2)])
         assert len(e.blocks) == 2
     fleet.agree(engines, "after AllBlocksCleared")
+
+    # Suspend (the profiles run with --enable-sleep-mode): the agent puts each engine to sleep
+    # with vLLM's own call, the sleep's AllBlocksCleared empties the index, and the process is
+    # kept; resume wakes the same process.
+    pids = {e.shard_id: _shard_row(fleet, e.shard_id)[0] for e in engines}
+    for version in fleet.sources:
+        fleet.cp.admin.post(f"/deployments/{_deployment(version)}/suspend").raise_for_status()
+    for e in engines:
+        wait_for(
+            lambda e=e: e.control_calls() == ["/sleep?level=1&mode=wait"],
+            timeout_s=20,
+            what=f"vLLM {e.version} put to sleep",
+        )
+        e.blocks.clear()
+        wait_for(
+            lambda e=e: "suspended" in _shard_row(fleet, e.shard_id)[2],
+            timeout_s=20,
+            what=f"vLLM {e.version}'s shard reported suspended",
+        )
+    fleet.agree(engines, "after the sleep")
+    for version in fleet.sources:
+        fleet.cp.admin.post(f"/deployments/{_deployment(version)}/resume").raise_for_status()
+    for e in engines:
+        wait_for(
+            lambda e=e: e.control_calls() == ["/sleep?level=1&mode=wait", "/wake_up"],
+            timeout_s=20,
+            what=f"vLLM {e.version} woken",
+        )
+        wait_for(
+            lambda e=e: _shard_row(fleet, e.shard_id)[1:] == ("ready", ""),
+            timeout_s=20,
+            what=f"vLLM {e.version}'s shard ready again",
+        )
+        assert _shard_row(fleet, e.shard_id)[0] == pids[e.shard_id], "the engine was restarted"
+    assert agent.events("shard_started") == [], "a suspend or resume restarted an engine"
+
+
+def _shard_row(fleet: Fleet, shard_id: str) -> tuple[Any, ...]:
+    """pid, observed state, observed reason."""
+    return fleet.cp.sql(
+        "SELECT pid, observed_state, observed_reason FROM shards WHERE id = %s", (shard_id,)
+    )[0]

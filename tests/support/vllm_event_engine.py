@@ -10,6 +10,11 @@ which events to publish.
 
 HTTP:
 - ``GET /health`` (200, empty, as vLLM), ``GET /v1/models``, ``GET /metrics`` (empty);
+- with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (vLLM serves its sleep routes
+  only in development mode; 404 otherwise, as vLLM): ``POST /sleep?level=N&mode=M`` (level 1
+  and above drop the prefix cache, so vLLM's scheduler publishes ``AllBlocksCleared``: so
+  does this), ``POST /wake_up``, ``GET /is_sleeping``, and, the test's own,
+  ``GET /control_calls``: every sleep and wake call's path and query, in order;
 - ``POST /publish`` ``{"batches": [{"events": [...], "lost": bool}]}``: each batch becomes one
   ``KVEventBatch`` of vLLM's own event structs, published in order; a ``lost`` batch is
   buffered for replay by vLLM as usual but never reaches the wire, as if the network (or an
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -36,6 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 from pydantic import TypeAdapter
@@ -90,6 +97,8 @@ class Engine:
         self.publisher._pub = self.socket
         self.published = 0
         self.lock = threading.Lock()  # one /publish at a time: seqs are assigned in order
+        self.sleeping = False
+        self.control_calls: list[str] = []
 
     def publish(self, batches: list[dict[str, Any]]) -> dict[str, Any]:
         with self.lock:
@@ -130,7 +139,7 @@ def _hashes(value: Any) -> Any:
     return value
 
 
-def _handler(engine: Engine, served_name: str) -> type[BaseHTTPRequestHandler]:
+def _handler(engine: Engine, served_name: str, sleep_routes: bool) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
             pass  # the agent's health checks would fill the log
@@ -149,10 +158,24 @@ def _handler(engine: Engine, served_name: str) -> type[BaseHTTPRequestHandler]:
                 self._answer(200, json.dumps({"data": [{"id": served_name}]}).encode())
             elif self.path == "/metrics":
                 self._answer(200, b"", "text/plain")
+            elif sleep_routes and self.path == "/is_sleeping":
+                self._answer(200, json.dumps({"is_sleeping": engine.sleeping}).encode())
+            elif sleep_routes and self.path == "/control_calls":
+                self._answer(200, json.dumps(engine.control_calls).encode())
             else:
                 self._answer(404, b"{}")
 
         def do_POST(self) -> None:
+            route, _, query = self.path.partition("?")
+            if sleep_routes and route in ("/sleep", "/wake_up"):
+                engine.control_calls.append(self.path)
+                if route == "/sleep":
+                    level = int(parse_qs(query).get("level", ["1"])[0])
+                    if level >= 1:
+                        engine.publish([{"events": [{"type": "AllBlocksCleared"}]}])
+                engine.sleeping = route == "/sleep"
+                self._answer(200, json.dumps({"sleeping": engine.sleeping}).encode())
+                return
             if self.path != "/publish":
                 self._answer(404, b"{}")
                 return
@@ -174,9 +197,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--kv-events-config", required=True)
     parser.add_argument("--served-model-name", default="model")
+    parser.add_argument("--enable-sleep-mode", action="store_true")
     args, _vllm_flags = parser.parse_known_args(argv)
     engine = Engine(load_kv_events(args.vllm_source), args.kv_events_config)
-    server = ThreadingHTTPServer((args.host, args.port), _handler(engine, args.served_model_name))
+    sleep_routes = args.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+    handler = _handler(engine, args.served_model_name, sleep_routes)
+    server = ThreadingHTTPServer((args.host, args.port), handler)
     signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever()
