@@ -31,7 +31,14 @@ from llmgw.engines.validation import (
 )
 from llmgw.errors import SpecError
 
-__all__ = ["Engine", "HealthState", "Readiness", "host_port"]
+__all__ = [
+    "COORDINATOR_RESUME_CALLS",
+    "COORDINATOR_SUSPEND_CALLS",
+    "Engine",
+    "HealthState",
+    "Readiness",
+    "host_port",
+]
 
 HealthState = Literal["ready", "loading", "unhealthy"]
 
@@ -64,6 +71,12 @@ class Readiness:
 def host_port(host: str, port: int) -> str:
     """host:port, bracketing an IPv6 literal."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# Megatron's coordinator, which the simulator follows, suspends only a paused engine and
+# resumes to paused: pause then suspend, resume then unpause.
+COORDINATOR_SUSPEND_CALLS = ("/pause", "/suspend")
+COORDINATOR_RESUME_CALLS = ("/resume", "/unpause")
 
 
 class Engine(ABC):

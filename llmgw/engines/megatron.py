@@ -15,7 +15,12 @@ from collections.abc import Mapping, Sequence
 
 from llmgw.engines.command import Command
 from llmgw.engines.config import MegatronConfig
-from llmgw.engines.engine import Engine, Readiness
+from llmgw.engines.engine import (
+    COORDINATOR_RESUME_CALLS,
+    COORDINATOR_SUSPEND_CALLS,
+    Engine,
+    Readiness,
+)
 from llmgw.engines.env import materialize_env, shard_env
 from llmgw.engines.flags import ReservedFlag
 from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
@@ -50,10 +55,8 @@ class Megatron(Engine):
     readiness = Readiness(loading_statuses=frozenset({503}))
     all_reserved = _RESERVED
     authenticates = False
-    # Megatron's coordinator, which the simulator follows, suspends only a paused engine and
-    # resumes to paused: pause then suspend, resume then unpause.
-    suspend_calls = ("/pause", "/suspend")
-    resume_calls = ("/resume", "/unpause")
+    suspend_calls = COORDINATOR_SUSPEND_CALLS
+    resume_calls = COORDINATOR_RESUME_CALLS
 
     def __init__(self, cfg: MegatronConfig | None = None) -> None:
         self._cfg = cfg or MegatronConfig()

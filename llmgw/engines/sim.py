@@ -13,7 +13,12 @@ from collections.abc import Mapping
 
 from llmgw.engines.command import Command
 from llmgw.engines.config import SimConfig
-from llmgw.engines.engine import Engine, Readiness
+from llmgw.engines.engine import (
+    COORDINATOR_RESUME_CALLS,
+    COORDINATOR_SUSPEND_CALLS,
+    Engine,
+    Readiness,
+)
 from llmgw.engines.env import materialize_env, shard_env
 from llmgw.engines.flags import ReservedFlag, flag_value, has_flag
 from llmgw.engines.kv_config import kv_events_config
@@ -50,10 +55,8 @@ class Sim(Engine):
     # Unlike vLLM the simulator answers while "loading": 503, then 200.
     readiness = Readiness(loading_statuses=frozenset({503}))
     all_reserved = _RESERVED
-    # Megatron's coordinator, which the simulator follows, suspends only a paused engine and
-    # resumes to paused: pause then suspend, resume then unpause.
-    suspend_calls = ("/pause", "/suspend")
-    resume_calls = ("/resume", "/unpause")
+    suspend_calls = COORDINATOR_SUSPEND_CALLS
+    resume_calls = COORDINATOR_RESUME_CALLS
 
     def __init__(self, cfg: SimConfig | None = None) -> None:
         self._cfg = cfg or SimConfig()

@@ -102,11 +102,12 @@ class VLLM(Engine):
     def can_suspend(self, profile: Profile) -> bool:
         """Whether the profile's args turn vLLM's sleep mode on (the last spelling wins, as
         argparse's BooleanOptionalAction keeps it); without it an idle replica is stopped."""
+        known = self.known_flags()
         on = False
         for arg in profile.args:
-            if arg_sets_flag(arg, "--enable-sleep-mode", self.syntax):
+            if arg_sets_flag(arg, "--enable-sleep-mode", self.syntax, known):
                 on = True
-            elif arg_sets_flag(arg, "--no-enable-sleep-mode", self.syntax):
+            elif arg_sets_flag(arg, "--no-enable-sleep-mode", self.syntax, known):
                 on = False
         return on
 

@@ -105,16 +105,22 @@ class Up:
         self.proc.kill()
         self.proc.wait()
 
-    def status_json(self) -> dict[str, Any]:
+    def cli(self, *args: str, stdin: str | None = None) -> str:
+        """``llmgw ARGS --data-dir <this run's>`` (its up.json names the endpoints and tokens);
+        its stdout, after asserting it succeeded."""
         r = subprocess.run(
-            llmgw_cmd("status", "--json", "--data-dir", str(self.data_dir)),
+            llmgw_cmd(*args, "--data-dir", str(self.data_dir)),
+            input=stdin,
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
-        assert r.returncode == 0, r.stderr
-        data: dict[str, Any] = json.loads(r.stdout)
+        assert r.returncode == 0, f"llmgw {' '.join(args)}: {r.stdout}{r.stderr}"
+        return r.stdout
+
+    def status_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.cli("status", "--json"))
         return data
 
 
