@@ -1,7 +1,7 @@
 """Alembic environment: the URL comes from llmgw's settings, never from alembic.ini.
 
 Used by both `alembic upgrade head` (from the repository root) and
-`llmgw db upgrade` / `llmgw.controlplane.store.migrations.upgrade`, which pass the
+`llmgw db upgrade` / `llmgw.store.migrations.upgrade`, which pass the
 URL in through the Alembic config's attributes.
 """
 
@@ -12,7 +12,7 @@ import os
 from sqlalchemy import create_engine, pool
 
 from alembic import context
-from llmgw.controlplane.store.tables import Base
+from llmgw.store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

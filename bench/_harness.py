@@ -294,8 +294,8 @@ class Stack:
     def start_postgres(self) -> str:
         # Imported here: the canned upstream and the floor proxy import this module too and
         # must not pay for SQLAlchemy and the control plane at start-up.
-        from llmgw.controlplane.store.migrations import upgrade
         from llmgw.embedded_postgres import EmbeddedPostgres
+        from llmgw.store.migrations import upgrade
 
         self._pg = EmbeddedPostgres(throwaway=True)
         self._pg.start()

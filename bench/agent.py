@@ -76,8 +76,8 @@ def _wait(cond: Any, timeout_s: float, what: str, log: Path | None = None) -> An
 
 @contextlib.contextmanager
 def _database() -> Iterator[str]:
-    from llmgw.controlplane.store.migrations import upgrade
     from llmgw.embedded_postgres import EmbeddedPostgres, create_database, drop_database
+    from llmgw.store.migrations import upgrade
 
     with EmbeddedPostgres(throwaway=True) as pg:
         db = create_database(pg.admin_url, "agent_bench")

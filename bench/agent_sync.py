@@ -53,8 +53,8 @@ def _serve(database_url: str, port: int) -> None:
     from llmgw.config import AgentApiSettings
     from llmgw.controlplane.agentapi.endpoints import install_agent_api
     from llmgw.controlplane.instances import InstanceIdentity
-    from llmgw.controlplane.store.database import create_engine, session_factory
     from llmgw.logs import configure_logging
+    from llmgw.store.database import create_engine, session_factory
 
     configure_logging("warning", json=True)
     engine = create_engine(database_url, pool_size=10)
@@ -97,7 +97,7 @@ def _serve(database_url: str, port: int) -> None:
 
 @contextlib.contextmanager
 def _database(url: str | None) -> Iterator[str]:
-    from llmgw.controlplane.store.migrations import upgrade
+    from llmgw.store.migrations import upgrade
 
     if url:
         upgrade(url)
@@ -125,7 +125,7 @@ def _free_port() -> int:
 async def _sql(url: str, statements: list[tuple[str, dict[str, Any]]]) -> list[Any]:
     from sqlalchemy import CursorResult, text
 
-    from llmgw.controlplane.store.database import create_engine, session_factory
+    from llmgw.store.database import create_engine, session_factory
 
     engine = create_engine(url, pool_size=1)
     out: list[Any] = []
@@ -140,8 +140,8 @@ async def _sql(url: str, statements: list[tuple[str, dict[str, Any]]]) -> list[A
 
 
 async def _token(url: str) -> str:
-    from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token
-    from llmgw.controlplane.store.database import create_engine, session_factory
+    from llmgw.store.bootstrap_tokens import create_bootstrap_token
+    from llmgw.store.database import create_engine, session_factory
 
     engine = create_engine(url, pool_size=1)
     try:

@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmgw.controlplane.planner.autoscale import (
+from llmgw.planner.autoscale import (
     AutoscalePolicy,
     DemandSample,
     History,

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.gateway.load import LoadTracker
-from llmgw.controlplane.gateway.router import Candidate, decide, token_home_key
+from llmgw.gateway.load import LoadTracker
+from llmgw.gateway.routing.router import Candidate, decide, token_home_key
 from llmgw.kv import scorable_blocks
 from llmgw.kv.hashing import BlockHash
 from llmgw.simengine.scheduler import RequestSpec, Scheduler, SchedulerConfig

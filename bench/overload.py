@@ -289,7 +289,7 @@ def _chart(report: dict[str, Any], path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from llmgw.listeners import raise_fd_limit
+    from llmgw.http.listeners import raise_fd_limit
 
     raise_fd_limit()
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)

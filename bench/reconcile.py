@@ -39,15 +39,15 @@ from typing import Any
 import psycopg
 from sqlalchemy import event
 
-from llmgw.controlplane.planner.plan import compute_plan
-from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile.leader import LeaderLock, check_epoch
 from llmgw.controlplane.reconcile.loop import Reconciler
-from llmgw.controlplane.store import migrations
-from llmgw.controlplane.store.database import create_engine, session_factory
-from llmgw.controlplane.store.reconcile import load_snapshot
+from llmgw.controlplane.reconcile.read import load_snapshot
 from llmgw.embedded_postgres import EmbeddedPostgres, create_database, libpq_url
+from llmgw.planner.plan import compute_plan
+from llmgw.planner.snapshot import PlanSettings
+from llmgw.store import migrations
+from llmgw.store.database import create_engine, session_factory
 
 __all__ = ["main"]
 

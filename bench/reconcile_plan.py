@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from llmgw.controlplane.planner import (
+from llmgw.engines.requirements import PlacementRequirements
+from llmgw.planner import (
     GPU,
     DeploymentId,
     DeploymentView,
@@ -45,7 +46,6 @@ from llmgw.controlplane.planner import (
     apply_to_snapshot,
     compute_plan,
 )
-from llmgw.engines.requirements import PlacementRequirements
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 H100 = "NVIDIA H100 80GB HBM3"

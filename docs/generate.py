@@ -211,7 +211,7 @@ class Metric:
 
 def _process(path: Path) -> str:
     rel = path.relative_to(ROOT / "llmgw").as_posix()
-    if rel.startswith("controlplane/gateway/"):
+    if rel.startswith("gateway/"):
         return "control plane (gateway)"
     if rel.startswith("controlplane/"):
         return "control plane"

@@ -130,7 +130,7 @@ def migrated_template(server: PgServer) -> Iterator[str]:
     """Create and migrate the template database; yield its name; drop it at the end."""
     # Imported here: a harness that only needs empty databases must not depend on the
     # control plane importing cleanly.
-    from llmgw.controlplane.store.migrations import upgrade
+    from llmgw.store.migrations import upgrade
 
     name = server.new_name("template")
     url = server.create_database(name)

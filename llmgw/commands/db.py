@@ -113,7 +113,7 @@ def upgrade(
     database_url_file: UrlFileOption = None,
 ) -> None:
     """Migrate the database to the newest schema (or REVISION). Safe to repeat."""
-    from llmgw.controlplane.store import migrations
+    from llmgw.store import migrations
 
     url = _url(config, database_url, database_url_file)
     with _reachable(url):
@@ -129,7 +129,7 @@ def current(
     database_url_file: UrlFileOption = None,
 ) -> None:
     """Print the database's schema revision and the newest one this llmgw knows."""
-    from llmgw.controlplane.store import migrations
+    from llmgw.store import migrations
 
     url = _url(config, database_url, database_url_file)
     with _reachable(url):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from llmgw.listeners import ListenerLimits
+    from llmgw.http.listeners import ListenerLimits
 
 __all__ = ["simengine"]
 
@@ -191,7 +191,7 @@ def _tokenizer_dir(value: str | None) -> str | None:
 
 def _limits(max_connections: int, max_header_bytes: int, header_timeout_s: float) -> ListenerLimits:
     from llmgw.errors import ConfigError
-    from llmgw.listeners import ListenerLimits
+    from llmgw.http.listeners import ListenerLimits
 
     for flag, ok, rule in (
         ("--max-connections", max_connections >= 16, "at least 16"),

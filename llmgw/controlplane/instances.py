@@ -21,15 +21,15 @@ from collections.abc import Sequence
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.store.instances import (
+from llmgw.eventloop import cancel_and_wait
+from llmgw.logs import get_logger
+from llmgw.protocol.sync import ControlPlaneInstance
+from llmgw.store.instances import (
     InstanceIdentity,
     list_live_instances,
     remove_instance,
     upsert_instance,
 )
-from llmgw.eventloop import cancel_and_wait
-from llmgw.logs import get_logger
-from llmgw.protocol.sync import ControlPlaneInstance
 
 # InstanceIdentity is listed because InstanceHeartbeat takes one: it is this shell's API too.
 __all__ = ["LIVE_PERIODS", "InstanceHeartbeat", "InstanceIdentity", "new_instance_id"]

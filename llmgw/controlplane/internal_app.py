@@ -1,7 +1,7 @@
 """The control plane's internal HTTP application: health, readiness, docs and the admin API.
 
 Errors leave as ``{"error": {"code", "message", "field"}}`` with a code from
-the table in ``llmgw.controlplane.http.errors``; ``_STATUS`` maps
+the table in ``llmgw.http.errors``; ``_STATUS`` maps
 ``llmgw.errors`` types to HTTP status. Database constraint violations that
 slip past the API's own checks (a race, a direct SQL write) become 409/422
 naming the constraint instead of a 500.
@@ -13,7 +13,7 @@ before any body is read) and ``BodyGuard`` (JSON only, at most
 shipped in a package (``fastapi_offline``), so it works with no internet.
 
 What it must not do: serve anything meant for clients of the OpenAI API; this
-app is mounted on the internal listener only (``llmgw.controlplane.server``).
+app is mounted on the internal listener only (``llmgw.serve.servers``).
 """
 
 from __future__ import annotations
@@ -37,19 +37,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from llmgw.config import ControlPlaneSettings, ReconcileSettings
-from llmgw.controlplane.admin_api import admin_router
+from llmgw.controlplane.admin.api import admin_router
 from llmgw.controlplane.agentapi.endpoints import install_agent_api
-from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.console import install_console
-from llmgw.controlplane.http.admin_auth import AdminAuth
-from llmgw.controlplane.http.body_guard import BodyGuard
-from llmgw.controlplane.http.errors import code_for_status, error_body, error_response
-from llmgw.controlplane.http.request_log import RequestLog
 from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
-from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.reconcile.loop import ReconcileMetrics, Reconciler
-from llmgw.controlplane.store import migrations
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
 from llmgw.errors import (
     AuthError,
@@ -61,6 +53,14 @@ from llmgw.errors import (
     SpecError,
     clip,
 )
+from llmgw.http.admin_auth import AdminAuth
+from llmgw.http.body_guard import BodyGuard
+from llmgw.http.errors import code_for_status, error_body, error_response
+from llmgw.http.request_log import RequestLog
+from llmgw.kv.shard_views import ShardViews
+from llmgw.planner.snapshot import PlanSettings
+from llmgw.store import migrations
+from llmgw.store.database import create_engine, session_factory
 
 __all__ = ["create_app"]
 
@@ -244,7 +244,7 @@ def create_app(
     settings: ControlPlaneSettings,
     *,
     instance_id: str | None = None,
-    kv_intake: KvIntake | None = None,
+    kv_intake: ShardViews | None = None,
 ) -> FastAPI:
     """Build the internal app. The database URL and admin token must be set.
 
@@ -369,7 +369,7 @@ def create_app(
 
     app.include_router(admin_router)
     # The web console at /ui: pages over the admin API, behind its own sign-in.
-    intake = kv_intake if kv_intake is not None else KvIntake()
+    intake = kv_intake if kv_intake is not None else ShardViews()
     console = install_console(app, admin_token=settings.admin_token, registry=metrics, kv=intake)
     # Registration, sync and KV deltas; starts and stops with the app (heartbeats, instances).
     install_agent_api(

@@ -26,7 +26,7 @@ from llmgw.config import AgentSettings
 from llmgw.engines import EngineRegistry, EnginesConfig, SimConfig, base_env_from
 from llmgw.engines.engine import host_port
 from llmgw.errors import ConfigError
-from llmgw.listeners import FD_RESERVE, ListenerLimits, fit_connections
+from llmgw.http.listeners import FD_RESERVE, ListenerLimits, fit_connections
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient
 from llmgw.nodeagent.inventory import (

@@ -77,7 +77,7 @@ class FrontDoor:
     def start(self) -> int:
         """Listen; OSError when the port cannot be bound (the shard cannot be served)."""
         # Imported here: a wrapper of a rank without a front door never loads aiohttp.
-        from llmgw.listeners import FD_RESERVE, fit_connections
+        from llmgw.http.listeners import FD_RESERVE, fit_connections
         from llmgw.nodeagent.proxy import EngineProxy, ProxyRoute, proxy_limits
 
         d = self.launch

@@ -2,7 +2,7 @@
 
 The endpoints listen on a local port (agent.listen_host, loopback by
 default): they say nothing an operator on the node should not see, and
-nothing on them takes an action. The listener runs under ``limits`` (llmgw/listeners.py:
+nothing on them takes an action. The listener runs under ``limits`` (llmgw/http/listeners.py:
 the head's size and deadline, the connection cap); aiohttp's low-level server, as the proxy's,
 since the bounds are applied where a connection is handled, and two routes need no router.
 """
@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw.listeners import (
+from llmgw.http.listeners import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,
     ListenerLimits,

@@ -25,7 +25,7 @@ CPU, 1500 requests through each to a simulator, 8 concurrent, 2026-11) the two a
 either way: 0.46 vs 0.39 ms per streamed 32-token completion (uvicorn+httptools ahead), 0.29 vs
 0.35 ms per plain one (aiohttp ahead). One framework for both sides of the proxy and no second
 server stack decided it. Errors use OpenAI's shape, since the gateway relays them.
-The listener runs under ``limits`` (llmgw/listeners.py): a head past its cap is answered 431
+The listener runs under ``limits`` (llmgw/http/listeners.py): a head past its cap is answered 431
 and one slower than its deadline 408 before step 1, and connections are capped.
 This module must NOT log keys or request bodies, nor import the control plane.
 """
@@ -44,8 +44,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from llmgw.bodies import BodyTooLarge, read_capped
-from llmgw.listeners import (
+from llmgw.http.bodies import BodyTooLarge, read_capped
+from llmgw.http.listeners import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_HEADER_BYTES,
     ListenerLimits,

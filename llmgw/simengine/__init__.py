@@ -12,7 +12,7 @@ Pure core (no I/O, unit-tested directly):
 
 Thin shell: engine.py (asyncio loop in modelled time), publisher.py (ZMQ PUB +
 replay ROUTER), http_app.py + generation.py + openai_wire.py + api_models.py
-(HTTP), limits.py (body caps, over llmgw.bodies), metrics.py (vLLM metric
+(HTTP), limits.py (body caps, over llmgw.http.bodies), metrics.py (vLLM metric
 names), config.py, server.py (uvicorn).
 
 Where the simulator deliberately differs from vLLM or Megatron, and why:

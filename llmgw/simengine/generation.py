@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from llmgw.bodies import ClientGone
 from llmgw.errors import AuthError, ConflictError, LlmgwError, NotFoundError, SpecError, clip
+from llmgw.http.bodies import ClientGone
 from llmgw.simengine.api_models import (
     ChatCompletionRequest,
     CompletionRequest,

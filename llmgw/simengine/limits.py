@@ -3,17 +3,17 @@
 One request must never freeze or kill the process serving everyone else's
 streams. Each limit here closes a way it could (issue [hardening] item 6):
 
-- Body size: `--max-body-bytes` (default 16 MiB), enforced by llmgw.bodies'
+- Body size: `--max-body-bytes` (default 16 MiB), enforced by llmgw.http.bodies'
   capped reader: a declared Content-Length over the cap is refused 413 before
   a byte is read, and a body without one is refused as soon as it passes the
   cap. Measured before the cap: a 50 MB prompt held the event loop for 3.6 s.
-- Nesting and NaN/Infinity: llmgw.bodies' bounded parser (`MAX_JSON_DEPTH`
+- Nesting and NaN/Infinity: llmgw.http.bodies' bounded parser (`MAX_JSON_DEPTH`
   levels, measured on the raw bytes before anything parses them).
 - Large bodies are parsed and tokenized off the event loop (`OFFLOAD_BODY_BYTES`).
 
-This module holds the simulator's numbers and maps llmgw.bodies' neutral
+This module holds the simulator's numbers and maps llmgw.http.bodies' neutral
 exceptions to the engine's errors (413 BodyTooLargeError, 400 SpecError).
-Must NOT read or parse bodies itself (llmgw.bodies does), know request shapes
+Must NOT read or parse bodies itself (llmgw.http.bodies does), know request shapes
 (api_models.py) or generation (generation.py).
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Final
 
-from llmgw import bodies
 from llmgw.errors import LlmgwError, SpecError
+from llmgw.http import bodies
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",

@@ -1,7 +1,7 @@
 """Runs the simulator: builds the engine and its ASGI app and serves it with uvicorn.
 
 uvicorn is started with ``loop="auto"``, so uvloop is used when installed, and with the
-httptools protocol under the listener bounds every llmgw listener has (llmgw/listeners.py:
+httptools protocol under the listener bounds every llmgw listener has (llmgw/http/listeners.py:
 the head's size and deadline, the connection cap fitted to the descriptor limit). httptools
 measured 29-34 instead of 37 us of CPU per streamed token with 256 streams against h11.
 SIGTERM is uvicorn's: it stops accepting, lets open responses finish, then the lifespan stops
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from llmgw.listeners import FD_RESERVE, ListenerLimits, fit_connections, uvicorn_protocol
+from llmgw.http.listeners import FD_RESERVE, ListenerLimits, fit_connections, uvicorn_protocol
 from llmgw.logs import get_logger
 from llmgw.simengine.config import SimEngineConfig
 from llmgw.simengine.engine import SimEngine

@@ -102,8 +102,8 @@ def ensure_bootstrap_token(
 
 async def _token(database_url: str, token_id: str) -> tuple[str, str] | None:
     """None: the stored token is still good; else a new (id, plaintext)."""
-    from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token, has_use_left
-    from llmgw.controlplane.store.database import create_engine, session_factory
+    from llmgw.store.bootstrap_tokens import create_bootstrap_token, has_use_left
+    from llmgw.store.database import create_engine, session_factory
 
     engine = create_engine(database_url, pool_size=1)
     try:

@@ -170,7 +170,7 @@ class AllInOne:
                 field="--data-dir",
             ) from None
         try:
-            from llmgw.controlplane.store import migrations
+            from llmgw.store import migrations
 
             # The superuser only prepares what a non-superuser cannot; everything after runs as
             # the app role, migrations included, so the tables are the role's own.

@@ -16,7 +16,7 @@ from llmgw.controlplane.console import routing_view as rv
 from llmgw.controlplane.console.ring import Ring
 from llmgw.controlplane.console.sampler import RoutingSampler
 from llmgw.controlplane.console.usage_view import MAX_SERIES, daily_chart, usage_csv
-from llmgw.controlplane.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics
 
 # --- the ring -----------------------------------------------------------------------------
 

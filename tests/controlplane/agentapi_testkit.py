@@ -28,8 +28,6 @@ from llmgw.config import AgentApiSettings
 from llmgw.controlplane.agentapi.endpoints import install_agent_api
 from llmgw.controlplane.agentapi.service import AgentApi
 from llmgw.controlplane.instances import InstanceIdentity
-from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.engines import Profile, ReplicaId, ShardId, ShardSpec
 from llmgw.protocol.sync import (
     REGISTER_PATH,
@@ -42,6 +40,8 @@ from llmgw.protocol.sync import (
     SyncRequest,
     SyncResponse,
 )
+from llmgw.store.bootstrap_tokens import create_bootstrap_token
+from llmgw.store.database import create_engine, session_factory
 
 __all__ = [
     "AgentApiServer",

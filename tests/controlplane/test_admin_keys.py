@@ -17,12 +17,12 @@ from admin_testkit import ControlPlane, count, name, run_cli, sql
 from structlog.testing import capture_logs
 
 from llmgw.commands.keys import parse_time
-from llmgw.controlplane.gateway.accounting import UsageRecorder
-from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.gateway.keys import KeyCache
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url as libpq
 from llmgw.errors import SpecError
+from llmgw.gateway.accounting import UsageRecorder
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.keys import KeyCache
+from llmgw.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(60)
 

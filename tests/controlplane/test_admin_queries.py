@@ -10,8 +10,8 @@ import pytest
 from admin_testkit import insert_node, insert_replica, name, sql
 from sqlalchemy import event
 
-from llmgw.controlplane.store import fleet as fq
-from llmgw.controlplane.store.database import create_engine, session_factory
+from llmgw.store import fleet as fq
+from llmgw.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(60)
 

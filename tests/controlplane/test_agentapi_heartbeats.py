@@ -18,8 +18,8 @@ from sqlalchemy import text
 from support.procs import wait_for
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.protocol.sync import ShardBinding
+from llmgw.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(60)
 

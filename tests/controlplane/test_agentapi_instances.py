@@ -6,8 +6,8 @@ import pytest
 from sqlalchemy import text
 
 from llmgw.controlplane.instances import InstanceHeartbeat, InstanceIdentity, new_instance_id
-from llmgw.controlplane.store.database import create_engine, session_factory
-from llmgw.controlplane.store.instances import (
+from llmgw.store.database import create_engine, session_factory
+from llmgw.store.instances import (
     list_live_instances,
     remove_instance,
     upsert_instance,

@@ -20,10 +20,10 @@ from agentapi_testkit import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.credentials import parse_node_credential
-from llmgw.controlplane.store.bootstrap_tokens import create_bootstrap_token
 from llmgw.errors import SpecError
 from llmgw.protocol.sync import REGISTER_PATH, RegisterRequest, RegisterResponse
+from llmgw.store.bootstrap_tokens import create_bootstrap_token
+from llmgw.store.credentials import parse_node_credential
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,7 +223,7 @@ async def test_approval_required_makes_the_node_pending_until_approved(db_url: s
 
 
 async def test_create_bootstrap_token_refuses_what_cannot_be_meant(db_url: str) -> None:
-    from llmgw.controlplane.store.database import create_engine, session_factory
+    from llmgw.store.database import create_engine, session_factory
 
     engine = create_engine(db_url, pool_size=1)
     try:

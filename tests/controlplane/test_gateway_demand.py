@@ -8,9 +8,9 @@ import pytest
 from sqlalchemy import func, select, text
 
 from llmgw.commands.status import render
-from llmgw.controlplane.store.database import create_engine, session_factory
-from llmgw.controlplane.store.demand import DemandRow, read_demand, write_demand
-from llmgw.controlplane.store.tables import GatewayDemand
+from llmgw.store.database import create_engine, session_factory
+from llmgw.store.demand import DemandRow, read_demand, write_demand
+from llmgw.store.tables import GatewayDemand
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,8 +74,8 @@ async def test_autoscale_fields_sum_or_take_the_largest_stale_rows_go_and_notify
 ) -> None:
     import psycopg
 
-    from llmgw.controlplane.store.demand import DEMAND_CHANNEL
     from llmgw.embedded_postgres import libpq_url
+    from llmgw.store.demand import DEMAND_CHANNEL
 
     engine = create_engine(db_url, pool_size=2)
     sessions = session_factory(engine)

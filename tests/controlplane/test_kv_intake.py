@@ -1,4 +1,4 @@
-"""KvIntake: the control plane's side of the KV-delta stream, pure (table tests + a property).
+"""ShardViews: the control plane's side of the KV-delta stream, pure (table tests + a property).
 
 The property drives the agent's real stream logic (llmgw.nodeagent.kvrelay.stream) against the
 intake through arbitrary event histories, lost requests, lost answers, engine restarts,
@@ -14,7 +14,6 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard, TokenBucket
 from llmgw.kv import (
     AllBlocksCleared,
     BlockMirror,
@@ -23,6 +22,7 @@ from llmgw.kv import (
     EventBatch,
     PrefixIndex,
 )
+from llmgw.kv.shard_views import PlacedShard, ShardViews, TokenBucket
 from llmgw.nodeagent.kvrelay.stream import ShardStream, StreamTiming, plan_requests
 from llmgw.protocol.kvstream import KvDeltaRequest, decode_kv_request, encode_kv_request
 
@@ -48,7 +48,7 @@ def holds_exactly(index: PrefixIndex, model: str, shard: str, blocks: dict[str, 
 
 
 def test_reset_then_deltas_are_applied_in_version_order() -> None:
-    intake = KvIntake()
+    intake = ShardViews()
     assert intake.apply("node-a", _req(base_version=0, new_version=4, reset=True,
                                        added={"GPU": [1, 2, 3]}), PLACED) == "ack"  # fmt: skip
     assert intake.apply("node-a", _req(base_version=4, new_version=6, added={"GPU": [9]},
@@ -58,7 +58,7 @@ def test_reset_then_deltas_are_applied_in_version_order() -> None:
 
 
 def test_table_of_refusals() -> None:
-    intake = KvIntake()
+    intake = ShardViews()
     delta = _req(base_version=0, new_version=1, added={"GPU": [1]})
     # Not placed (yet): retry later.
     assert intake.apply("node-a", delta, {}) == "retry"
@@ -83,7 +83,7 @@ def test_table_of_refusals() -> None:
 
 
 def test_an_incomplete_chunked_copy_is_partial_until_its_last_chunk() -> None:
-    intake = KvIntake()
+    intake = ShardViews()
     first = _req(base_version=0, new_version=3, reset=True, complete=False, added={"GPU": [1]})
     assert intake.apply("node-a", first, PLACED) == "ack"
     assert intake.index.is_partial("s1") and not intake.is_complete("s1")
@@ -96,7 +96,7 @@ def test_an_incomplete_chunked_copy_is_partial_until_its_last_chunk() -> None:
 
 
 def test_a_moved_shard_is_forgotten() -> None:
-    intake = KvIntake()
+    intake = ShardViews()
     intake.apply("node-a", _req(base_version=0, new_version=1, reset=True,
                                 added={"GPU": [1]}), PLACED)  # fmt: skip
     moved = {"s1": PlacedShard("node-b", "m")}
@@ -133,7 +133,7 @@ TIMING = StreamTiming()
 
 
 def _deliver(
-    intake: KvIntake,
+    intake: ShardViews,
     stream: ShardStream,
     mirror: BlockMirror,
     fate: str,
@@ -173,7 +173,7 @@ def _deliver(
 @example(ops=[("store", [1], "GPU"), ("send", "ok", 0), ("instance_restart",)])
 def test_index_converges_to_the_mirror_after_need_full_recovery(ops: list[tuple[Any, ...]]) -> None:
     mirror = BlockMirror()
-    intake = KvIntake()
+    intake = ShardViews()
     stream = ShardStream()
     seq = 0
     for op in ops:
@@ -200,7 +200,7 @@ def test_index_converges_to_the_mirror_after_need_full_recovery(ops: list[tuple[
         elif kind == "send":
             _deliver(intake, stream, mirror, op[1], op[2])
         else:
-            intake = KvIntake()
+            intake = ShardViews()
     # Recovery as the relay runs it: sends until nothing is pending, then a keepalive (which an
     # instance that restarted while the mirror stood still answers with need_full).
     for _ in range(8):

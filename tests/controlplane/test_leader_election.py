@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import text
 
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
+from llmgw.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,17 +26,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from llmgw.commands.status import tokenizer_modes
 from llmgw.controlplane.agentapi.sync import desired_shard
-from llmgw.controlplane.gateway.routes import build_table
-from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile.leader import LeaderLock
 from llmgw.controlplane.reconcile.loop import Reconciler
-from llmgw.controlplane.store.agent_shards import read_desired_shards
-from llmgw.controlplane.store.database import create_engine, session_factory
-from llmgw.controlplane.store.routes import read_declared, read_routes
-from llmgw.controlplane.store.tokenizers import store_model_tokenizer
 from llmgw.embedded_postgres import libpq_url
+from llmgw.gateway.routes import build_table
+from llmgw.planner.snapshot import PlanSettings
 from llmgw.simengine.hf_tokens import read_tokenizer_dir, tiny_model_dir
+from llmgw.store.agent_shards import read_desired_shards
+from llmgw.store.database import create_engine, session_factory
+from llmgw.store.routes import read_declared, read_routes
+from llmgw.store.tokenizers import store_model_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,12 +18,12 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.planner.snapshot import PlanSettings
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock
 from llmgw.controlplane.reconcile.loop import Reconciler
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
+from llmgw.planner.snapshot import PlanSettings
+from llmgw.store.database import create_engine, session_factory
 
 pytestmark = pytest.mark.timeout(90)
 

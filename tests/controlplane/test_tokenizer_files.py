@@ -17,9 +17,9 @@ import pytest
 from agentapi_testkit import fetch, make_token, place_shard, running_agent_api
 from pg_harness import PgServer
 
-from llmgw.controlplane.gateway.local_tokens import LocalTokenizers
-from llmgw.controlplane.gateway.tokenizer_files import TokenizerFilesCache
 from llmgw.embedded_postgres import libpq_url
+from llmgw.gateway.local_tokens import LocalTokenizers
+from llmgw.gateway.tokenizer_files import TokenizerFilesCache
 from llmgw.nodeagent.client import ControlPlaneClient, Incompatible
 from llmgw.nodeagent.tokenizer_ship import TokenizerShipper, read_tokenizer_files
 from llmgw.protocol.tokenizers import TokenizerUpload

@@ -37,8 +37,8 @@ import httpx
 import openai
 from support.procs import agent_port_base, free_port, wait_for
 
-from llmgw.controlplane.store.migrations import upgrade
 from llmgw.embedded_postgres import EmbeddedPostgres, PostgresStartError, throwaway_parent
+from llmgw.store.migrations import upgrade
 from tests.e2e.fleet_harness import ControlPlaneProc
 from tests.gateway.gateway_fleet import GatewayFleet, metric_value
 from tests.nodeagent.agent_harness import AgentProcess

@@ -247,7 +247,7 @@ def test_empty_db_url_does_not_see_the_previous_tests_tables(empty_db_url: str) 
 
 
 def test_db_url_is_migrated_to_head_and_isolated(db_url: str) -> None:
-    from llmgw.controlplane.store.migrations import current_revision, head_revision
+    from llmgw.store.migrations import current_revision, head_revision
 
     assert current_revision(db_url) == head_revision()
     _query(db_url, "CREATE TABLE scratch (x int)")

@@ -1,4 +1,4 @@
-"""The bounds every listener applies before a request reaches its app (llmgw/listeners.py),
+"""The bounds every listener applies before a request reaches its app (llmgw/http/listeners.py),
 against a real `llmgw controlplane` (both listeners) and a real `llmgw simengine`: a head past
 its cap is answered 431 and the process keeps serving; trickled heads and idle connections
 are closed at the header timeout; at the connection cap idle connections make room for a

@@ -14,9 +14,9 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, pool
 
-from llmgw.controlplane.store import migrations
-from llmgw.controlplane.store.tables import Base
 from llmgw.embedded_postgres import libpq_url
+from llmgw.store import migrations
+from llmgw.store.tables import Base
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)

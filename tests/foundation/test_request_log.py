@@ -14,8 +14,8 @@ import structlog
 from starlette.types import Message, Receive, Scope, Send
 from structlog.testing import capture_logs
 
-from llmgw.controlplane.http.errors import error_body
-from llmgw.controlplane.http.request_log import RequestLog
+from llmgw.http.errors import error_body
+from llmgw.http.request_log import RequestLog
 
 pytestmark = pytest.mark.timeout(10)
 

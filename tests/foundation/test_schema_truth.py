@@ -19,9 +19,9 @@ import pytest
 from pg_harness import PgServer
 from sqlalchemy import CheckConstraint, DefaultClause, MetaData, create_engine, pool, text
 
-from llmgw.controlplane.store import migrations
-from llmgw.controlplane.store.tables import NAMING, Base
 from llmgw.embedded_postgres import find_bin_dir, libpq_url
+from llmgw.store import migrations
+from llmgw.store.tables import NAMING, Base
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -18,13 +18,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from support.procs import free_port
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.agentapi.kv_intake import KvIntake
-from llmgw.controlplane.credentials import parse_api_key
-from llmgw.controlplane.gateway.app import Gateway, TokenizerSource
-from llmgw.controlplane.gateway.errors import GatewayError, internal_error
-from llmgw.controlplane.gateway.metrics import GatewayMetrics
-from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
-from llmgw.controlplane.http.request_log import RequestLog
+from llmgw.gateway.app import Gateway, TokenizerSource
+from llmgw.gateway.errors import GatewayError, internal_error
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.http.request_log import RequestLog
+from llmgw.kv.shard_views import ShardViews
+from llmgw.store.credentials import parse_api_key
 
 __all__ = [
     "Key",
@@ -162,7 +162,7 @@ def serve_gateway(
     keys: dict[str, Key],
     *,
     settings: GatewaySettings | None = None,
-    intake: KvIntake | None = None,
+    intake: ShardViews | None = None,
     tokenizer_files: TokenizerSource | None = None,
 ) -> Iterator[Served]:
     registry = CollectorRegistry()

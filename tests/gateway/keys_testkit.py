@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.credentials import new_api_key
-from llmgw.controlplane.store.database import create_engine, session_factory
-from llmgw.controlplane.store.keys import notify_keys_changed
-from llmgw.controlplane.store.tables import ApiKey
+from llmgw.store.credentials import new_api_key
+from llmgw.store.database import create_engine, session_factory
+from llmgw.store.keys import notify_keys_changed
+from llmgw.store.tables import ApiKey
 
 __all__ = ["insert_key", "revoke_key", "sessions_on", "until"]
 

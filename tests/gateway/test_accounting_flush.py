@@ -14,9 +14,9 @@ from pg_harness import PgServer
 from sqlalchemy.exc import OperationalError
 from structlog.testing import capture_logs
 
-from llmgw.controlplane.gateway.accounting import UsageRecorder
-from llmgw.controlplane.store.usage import UsageRow, apply_flush
 from llmgw.embedded_postgres import libpq_url
+from llmgw.gateway.accounting import UsageRecorder
+from llmgw.store.usage import UsageRow, apply_flush
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.controlplane.gateway.admission import AdmissionWindows
+from llmgw.gateway.routing.admission import AdmissionWindows
 
 
 def test_room_counts_ours_and_others() -> None:

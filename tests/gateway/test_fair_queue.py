@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.controlplane.gateway.fair_queue import DrainRate, Entry, FairQueue
+from llmgw.gateway.routing.fair_queue import DrainRate, Entry, FairQueue
 
 
 def _queue(max_requests: int = 100, max_bytes: int = 10_000) -> FairQueue[int]:

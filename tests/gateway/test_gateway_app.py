@@ -34,8 +34,8 @@ from gateway_testkit import (
 from support.procs import free_port, wait_for
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.gateway.pool import read_capped
-from llmgw.controlplane.gateway.routes import ModelRoute, RouteTable
+from llmgw.gateway.pool import read_capped
+from llmgw.gateway.routes import ModelRoute, RouteTable
 from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
 
 pytestmark = pytest.mark.timeout(60)

@@ -235,7 +235,7 @@ def test_busy_is_not_broken(load: int, want: int) -> None:
 
 
 def _wakeable(eps: tuple[object, ...]) -> object:
-    from llmgw.controlplane.gateway.routes import ModelRoute, RouteTable
+    from llmgw.gateway.routes import ModelRoute, RouteTable
 
     return RouteTable({"m": ModelRoute("m", "m", None, eps, wakeable=True)}, 1.0)  # type: ignore[arg-type]
 

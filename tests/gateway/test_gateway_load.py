@@ -18,10 +18,10 @@ import pytest
 from gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, table
 from support.procs import free_port, wait_for
 
-from llmgw.controlplane.gateway.load import LoadTracker, parse_engine_load
-from llmgw.controlplane.gateway.router import HashParams
-from llmgw.controlplane.gateway.tokenize import Tokenizer
-from llmgw.controlplane.gateway.wire import prompt_of
+from llmgw.gateway.load import LoadTracker, parse_engine_load
+from llmgw.gateway.routing.router import HashParams
+from llmgw.gateway.tokenize import Tokenizer
+from llmgw.gateway.wire import prompt_of
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,10 +21,10 @@ from gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from prometheus_client import CollectorRegistry
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
-from llmgw.controlplane.gateway.router import HashParams
-from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.routing.router import HashParams
 from llmgw.kv.hf_tokenizer import HfTokenizer, TokenizerFiles
+from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.protocol.kvstream import KvDeltaRequest
 from llmgw.simengine.hf_tokens import read_tokenizer_dir, tiny_model_dir
 from tests.simengine.sim_process import HASH_SEED, SimProcess, start_sim, stop_sim
@@ -226,8 +226,8 @@ def _wait(predicate: Any, what: str, deadline_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _intake() -> KvIntake:
-    return KvIntake()
+def _intake() -> ShardViews:
+    return ShardViews()
 
 
 def test_local_tokenizing_routes_and_a_planted_template_falls_back(
@@ -312,7 +312,7 @@ def test_a_route_whose_profile_says_none_is_never_tokenized_here(
         assert _sample(gw, "llmgw_prefix_tokenizer_profile_none", {"model": "m"}) == 0
 
 
-def _sync_index(intake: KvIntake, sims: list[SimProcess], versions: dict[str, int]) -> None:
+def _sync_index(intake: ShardViews, sims: list[SimProcess], versions: dict[str, int]) -> None:
     """Each engine's blocks, as the agent's full copy of its mirror would carry them."""
     placed = {f"s{i}": PlacedShard("node", "m", 16) for i in range(len(sims))}
     for i, sim in enumerate(sims):
@@ -358,7 +358,7 @@ def test_lora_prompts_hash_with_their_adapter(sims: dict[str, tuple[SimProcess, 
         {"m": ModelRoute("m", "m", None, eps), LORA[0]: ModelRoute(LORA[0], "m", LORA, eps)},
         1.0,
     )
-    intake = KvIntake()
+    intake = ShardViews()
     versions: dict[str, int] = {}
     # The adapter's prompt is computed on the second replica only, behind the gateway's back.
     engine = {"Authorization": f"Bearer {SIM_KEY}"}

@@ -19,9 +19,9 @@ from gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from prometheus_client import CollectorRegistry
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
-from llmgw.controlplane.gateway.router import HashParams
-from llmgw.controlplane.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.routing.router import HashParams
+from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.protocol.kvstream import KvDeltaRequest
 from tests.simengine.sim_process import HASH_SEED, SimProcess, start_sim, stop_sim
 
@@ -55,7 +55,7 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SimProcess]]
 class World:
     def __init__(self, sims: list[SimProcess]) -> None:
         self.sims = sims
-        self.intake = KvIntake()
+        self.intake = ShardViews()
         self.placed = {f"s{i}": PlacedShard("node", "m", 16) for i in range(len(sims))}
         self.versions = dict.fromkeys(self.placed, 0)
 

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.controlplane.gateway.approx import ApproxTree, chunk_hashes
-from llmgw.controlplane.gateway.router import (
+from llmgw.gateway.routes import DeclaredRow, RouteRow, build_table
+from llmgw.gateway.routing.approx import ApproxTree, chunk_hashes
+from llmgw.gateway.routing.router import (
     Candidate,
     Decision,
     HashParams,
@@ -21,7 +22,6 @@ from llmgw.controlplane.gateway.router import (
     precise_shares,
     token_home_key,
 )
-from llmgw.controlplane.gateway.routes import DeclaredRow, RouteRow, build_table
 from llmgw.kv import PrefixIndex, block_hashes, hash64
 
 A, B, C = (Candidate("ra", "sa", 0), Candidate("rb", "sb", 0), Candidate("rc", "sc", 0))

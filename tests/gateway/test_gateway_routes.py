@@ -14,10 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from structlog.testing import capture_logs
 from support.procs import free_port
 
-from llmgw.controlplane.gateway.routes import RouteCache
-from llmgw.controlplane.store.catalog import CHANGE_CHANNEL
-from llmgw.controlplane.store.database import create_engine, session_factory
 from llmgw.embedded_postgres import libpq_url
+from llmgw.gateway.routes import RouteCache
+from llmgw.store.catalog import CHANGE_CHANNEL
+from llmgw.store.database import create_engine, session_factory
 from tests.controlplane.agentapi_testkit import place_shard
 
 

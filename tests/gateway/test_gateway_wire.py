@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.config import GatewaySettings
-from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.gateway.load import parse_max_model_len
-from llmgw.controlplane.gateway.wire import (
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.load import parse_max_model_len
+from llmgw.gateway.wire import (
     StreamState,
     filter_events,
     prompt_of,

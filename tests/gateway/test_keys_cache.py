@@ -11,10 +11,10 @@ from keys_testkit import insert_key, revoke_key, sessions_on, until
 from pg_harness import PgServer
 from structlog.testing import capture_logs
 
-from llmgw.controlplane.credentials import parse_api_key
-from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.gateway.keys import KeyCache
 from llmgw.embedded_postgres import libpq_url
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.keys import KeyCache
+from llmgw.store.credentials import parse_api_key
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from keys_testkit import insert_key, sessions_on
 
-from llmgw.controlplane.gateway.accounting import UsageRecorder
-from llmgw.controlplane.gateway.errors import GatewayError
-from llmgw.controlplane.gateway.keys import KeyContext
-from llmgw.controlplane.gateway.limits import Limiter
+from llmgw.gateway.accounting import UsageRecorder
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.keys import KeyContext
+from llmgw.gateway.limits import Limiter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.controlplane.gateway.local_tokens import LocalTokenizers, Verdict
+from llmgw.gateway.local_tokens import LocalTokenizers, Verdict
 from llmgw.kv.hf_tokenizer import (
     MAX_FILE_BYTES,
     HfTokenizer,

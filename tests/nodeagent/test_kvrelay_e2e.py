@@ -1,7 +1,7 @@
 """KvRelay end to end: a real `llmgw simengine` publishing KV events, the relay, and a receiver.
 
 The receiver is a small aiohttp server implementing POST /agent/v1/kv with the control plane's
-own KvIntake. Every check compares three views of one engine: the engine's own block list
+own ShardViews. Every check compares three views of one engine: the engine's own block list
 (/debug/kv_blocks, one entry per physical block), the relay's mirror (references per hash) and
 the receiver's prefix index. Scenarios: a burst of concurrent requests, duplicate blocks, frames
 lost on the way (filled from replay), malformed and foreign frames, a receiver restart (need_full
@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 from simengine.sim_process import SimProcess, start_sim, stop_sim
 from support.procs import free_port
 
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
 from llmgw.kv import PrefixIndex
+from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.nodeagent.kvrelay.relay import KvRelay
 from llmgw.nodeagent.kvrelay.stream import StreamTiming
 from llmgw.protocol.kvstream import (
@@ -51,12 +51,12 @@ BLOCK_SIZE = 4
 
 
 class Receiver:
-    """POST /agent/v1/kv over a KvIntake, as a control plane instance serves it."""
+    """POST /agent/v1/kv over a ShardViews, as a control plane instance serves it."""
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.intake = KvIntake()
+        self.intake = ShardViews()
         self.placed = {SHARD: PlacedShard(NODE, MODEL, block_size=BLOCK_SIZE)}
         self.results: Counter[str] = Counter()
         self.resets = 0

@@ -23,8 +23,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from support.procs import free_port, wait_for
 
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
 from llmgw.kv import BlockStored, EventBatch, encode_batch, encode_message
+from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.nodeagent.kvrelay.relay import KvRelay
 from llmgw.protocol.kvstream import KV_PATH, decode_kv_request
 
@@ -208,7 +208,7 @@ async def test_each_instance_gets_one_request_at_a_time_at_the_capped_rate(tmp_p
 
 async def test_an_idle_stream_is_woken_by_news_not_by_its_keepalive(tmp_path: Path) -> None:
     """Changes reach an instance at once even when nothing else is due for a minute."""
-    intake = KvIntake()
+    intake = ShardViews()
     placed = {"s1": PlacedShard("n", "m")}
 
     async def handle(request: web.Request) -> web.Response:

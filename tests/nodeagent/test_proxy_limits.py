@@ -1,4 +1,4 @@
-"""The agent's listeners under their bounds (llmgw/listeners.py): the engine proxy and the
+"""The agent's listeners under their bounds (llmgw/http/listeners.py): the engine proxy and the
 /healthz listener answer a head past the cap 431 before any key is checked, close trickled
 heads at the header timeout, make room at the connection cap by evicting idle connections and
 refuse new ones only when every connection is inside a request; and `llmgw agent` raises its

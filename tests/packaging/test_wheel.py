@@ -21,7 +21,7 @@ import httpx
 import pytest
 from support.procs import free_port, stop_process, wait_http_ok
 
-from llmgw.controlplane.store import migrations
+from llmgw.store import migrations
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(120)]
@@ -92,7 +92,7 @@ def test_the_wheel_alone_migrates_and_serves(pg_server: object, empty_db_url: st
         env["LLMGW_CONTROLPLANE__DATABASE_URL"] = empty_db_url
 
         where = _run(
-            [str(python), "-c", "import llmgw, llmgw.controlplane.store.migrations as m; "
+            [str(python), "-c", "import llmgw, llmgw.store.migrations as m; "
              "from llmgw.up.bootstrap import demo_file; "
              "print(llmgw.__file__); print(m.script_location()); print(demo_file())"],
             cwd=work, env=env,

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from llmgw.bodies import (
+from llmgw.errors import SpecError
+from llmgw.http.bodies import (
     MAX_JSON_DEPTH,
     BadJson,
     check_json,
@@ -15,7 +16,6 @@ from llmgw.bodies import (
     lone_surrogate,
     parse_json,
 )
-from llmgw.errors import SpecError
 from llmgw.simengine.limits import parse_json_body
 
 

@@ -18,10 +18,10 @@ from llmgw.controlplane.admin.common import (
     decode_cursor,
     page,
 )
+from llmgw.controlplane.admin.schemas import Page
 from llmgw.controlplane.admin.schemas_fleet import ActionOut
-from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.store import fleet as fq
 from llmgw.errors import SpecError
+from llmgw.store import fleet as fq
 
 __all__ = ["router"]
 

@@ -35,6 +35,7 @@ from llmgw.controlplane.admin.deployments import deployment_out, save_deployment
 from llmgw.controlplane.admin.diff import field_changes
 from llmgw.controlplane.admin.models import model_out
 from llmgw.controlplane.admin.profiles import profile_fields, profile_out, save_profile_changes
+from llmgw.controlplane.admin.schemas import DeploymentCreate, ErrorBody, ModelCreate, ProfileCreate
 from llmgw.controlplane.admin.schemas_fleet import (
     ApplyBody,
     ApplyChange,
@@ -42,11 +43,10 @@ from llmgw.controlplane.admin.schemas_fleet import (
     ApplyReply,
     ApplyResult,
 )
-from llmgw.controlplane.http.errors import printable
-from llmgw.controlplane.schemas import DeploymentCreate, ErrorBody, ModelCreate, ProfileCreate
-from llmgw.controlplane.store import catalog
-from llmgw.controlplane.store.tables import Deployment, Model, Profile
 from llmgw.errors import LlmgwError
+from llmgw.http.errors import printable
+from llmgw.store import catalog
+from llmgw.store.tables import Deployment, Model, Profile
 
 __all__ = ["router"]
 

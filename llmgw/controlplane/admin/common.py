@@ -1,7 +1,7 @@
 """What every admin router shares: authentication, the per-request transaction, pages,
 names in paths, and audited create / update / delete.
 
-A route does three things: parse (pydantic), call the SQL of ``llmgw.controlplane.store``
+A route does three things: parse (pydantic), call the SQL of ``llmgw.store``
 (``catalog``, ``fleet``, ...), and hand its write to ``create`` / ``update`` / ``delete``
 here, which record the audit row and NOTIFY the reconciler inside the same transaction.
 Keeping that in one place is what makes "every write is audited and wakes the reconciler"
@@ -23,10 +23,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.http.admin_auth import admin_token_problem
-from llmgw.controlplane.schemas import ErrorBody, Page, name_problem
-from llmgw.controlplane.store import catalog
+from llmgw.controlplane.admin.schemas import ErrorBody, Page, name_problem
 from llmgw.errors import AuthError, NotFoundError, SpecError, clip
+from llmgw.http.admin_auth import admin_token_problem
+from llmgw.store import catalog
 
 __all__ = [
     "DEFAULT_PAGE",

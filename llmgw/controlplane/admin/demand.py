@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.store.demand import read_demand
+from llmgw.store.demand import read_demand
 
 __all__ = ["DemandOut", "DemandReply", "router"]
 

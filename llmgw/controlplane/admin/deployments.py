@@ -27,7 +27,7 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
-from llmgw.controlplane.schemas import (
+from llmgw.controlplane.admin.schemas import (
     AutoscaleBody,
     AutoscaleStatusOut,
     DeploymentCreate,
@@ -38,15 +38,15 @@ from llmgw.controlplane.schemas import (
     ScaleBody,
     check_rollout_budget,
 )
-from llmgw.controlplane.store import catalog
-from llmgw.controlplane.store.tables import (
+from llmgw.errors import SpecError
+from llmgw.store import catalog
+from llmgw.store.tables import (
     Deployment,
     DeploymentAutoscale,
     DeploymentStatus,
     Model,
     Profile,
 )
-from llmgw.errors import SpecError
 
 __all__ = ["deployment_out", "router", "save_deployment_changes"]
 

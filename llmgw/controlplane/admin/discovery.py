@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.store.discovery import metrics_targets
+from llmgw.store.discovery import metrics_targets
 
 __all__ = ["prometheus_targets", "router", "target_group"]
 

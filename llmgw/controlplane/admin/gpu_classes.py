@@ -19,11 +19,11 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
+from llmgw.controlplane.admin.schemas import Page
 from llmgw.controlplane.admin.schemas_fleet import GpuClassCreate, GpuClassOut, GpuClassUpdate
-from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.store import fleet as fq
-from llmgw.controlplane.store.tables import GpuClass
 from llmgw.errors import ConflictError
+from llmgw.store import fleet as fq
+from llmgw.store.tables import GpuClass
 
 __all__ = ["router"]
 

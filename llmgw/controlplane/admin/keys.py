@@ -29,11 +29,11 @@ from llmgw.controlplane.admin.common import (
     page,
     update,
 )
-from llmgw.controlplane.credentials import new_api_key
-from llmgw.controlplane.schemas import LIMITS, Name, Page, _Request, _Response
-from llmgw.controlplane.store.keys import get_key, key_name_taken, list_keys, notify_keys_changed
-from llmgw.controlplane.store.tables import KEY_NAME_PATTERN, ApiKey
+from llmgw.controlplane.admin.schemas import LIMITS, Name, Page, _Request, _Response
 from llmgw.errors import ConflictError, SpecError
+from llmgw.store.credentials import new_api_key
+from llmgw.store.keys import get_key, key_name_taken, list_keys, notify_keys_changed
+from llmgw.store.tables import KEY_NAME_PATTERN, ApiKey
 
 __all__ = ["ApiKeyCreate", "ApiKeyCreated", "ApiKeyOut", "router"]
 

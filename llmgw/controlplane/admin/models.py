@@ -16,9 +16,9 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
-from llmgw.controlplane.schemas import ModelCreate, ModelOut, ModelUpdate, Page
-from llmgw.controlplane.store import catalog
-from llmgw.controlplane.store.tables import Model
+from llmgw.controlplane.admin.schemas import ModelCreate, ModelOut, ModelUpdate, Page
+from llmgw.store import catalog
+from llmgw.store.tables import Model
 
 __all__ = ["model_out", "router"]
 

@@ -25,10 +25,10 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
+from llmgw.controlplane.admin.schemas import Page
 from llmgw.controlplane.admin.schemas_fleet import NodeOut, NodeUpdate
-from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.store import fleet as fq
-from llmgw.controlplane.store.tables import Node
+from llmgw.store import fleet as fq
+from llmgw.store.tables import Node
 
 __all__ = ["node_out", "router"]
 

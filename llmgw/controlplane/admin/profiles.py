@@ -26,16 +26,16 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
-from llmgw.controlplane.profile_checks import SPEC_FIELDS, check_profile
-from llmgw.controlplane.schemas import (
+from llmgw.controlplane.admin.schemas import (
     AdapterBody,
     Page,
     ProfileCreate,
     ProfileOut,
     ProfileUpdate,
 )
-from llmgw.controlplane.store import catalog
-from llmgw.controlplane.store.tables import Profile
+from llmgw.controlplane.profile_checks import SPEC_FIELDS, check_profile
+from llmgw.store import catalog
+from llmgw.store.tables import Profile
 
 __all__ = ["profile_fields", "profile_out", "router", "save_profile_changes"]
 

@@ -19,14 +19,14 @@ from llmgw.controlplane.admin.common import (
     decode_cursor,
     page,
 )
+from llmgw.controlplane.admin.schemas import Page
 from llmgw.controlplane.admin.schemas_fleet import (
     MAX_LOG_TAIL_CHARS,
     ReplicaOut,
     ShardGpuOut,
     ShardOut,
 )
-from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.store import fleet as fq
+from llmgw.store import fleet as fq
 
 __all__ = ["router"]
 

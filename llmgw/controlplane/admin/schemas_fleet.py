@@ -1,7 +1,7 @@
 """Bodies of the fleet half of the admin API: nodes, bootstrap tokens, replicas and
 their shards, the reconciler's action record, GPU classes, and ``apply``.
 
-As in ``llmgw.controlplane.schemas``: request models forbid unknown fields, every
+As in ``llmgw.controlplane.admin.schemas``: request models forbid unknown fields, every
 string and collection is bounded, and nothing secret is ever in a response model
 (a bootstrap token's plaintext only in the one reply that creates it).
 """
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, StringConstraints, field_validator
 
-from llmgw.controlplane.schemas import LIMITS, Description, Name, _Request, _Response
+from llmgw.controlplane.admin.schemas import LIMITS, Description, Name, _Request, _Response
 
 __all__ = [
     "MAX_LOG_TAIL_CHARS",

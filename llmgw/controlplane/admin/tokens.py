@@ -11,13 +11,13 @@ from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.admin.common import AuditOf, Session, add_read_routes, audit_view, page
+from llmgw.controlplane.admin.schemas import Page
 from llmgw.controlplane.admin.schemas_fleet import (
     BootstrapTokenCreate,
     BootstrapTokenCreated,
     BootstrapTokenOut,
 )
-from llmgw.controlplane.schemas import Page
-from llmgw.controlplane.store import bootstrap_tokens
+from llmgw.store import bootstrap_tokens
 
 __all__ = ["router"]
 

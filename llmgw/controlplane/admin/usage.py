@@ -18,8 +18,8 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
 from llmgw.controlplane.admin.common import Session
-from llmgw.controlplane.store.usage import UsageGroup, usage_sums
 from llmgw.errors import SpecError
+from llmgw.store.usage import UsageGroup, usage_sums
 
 __all__ = ["UsageOut", "UsageReply", "router"]
 

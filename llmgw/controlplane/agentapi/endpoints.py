@@ -12,7 +12,7 @@ from the headers (401; sync and KV), the declared Content-Length against the end
 carries its token in the body, so its cap is small (``register_max_body_bytes``). Every
 refusal is a ``ProtocolErrorBody``.
 
-The body is checked on its raw bytes (``llmgw.bodies.check_json``: nesting, NaN/Infinity, lone
+The body is checked on its raw bytes (``llmgw.http.bodies.check_json``: nesting, NaN/Infinity, lone
 surrogates) before pydantic parses it, so every listener refuses the same JSON: a 970-deep
 body reached registration's error path without a credential and raised RecursionError there.
 
@@ -36,15 +36,21 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.responses import Response
 
-from llmgw.bodies import BadJson, BodyTooLarge, check_json, declared_length, parse_json, read_capped
 from llmgw.config import AgentApiSettings
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal, protocol_error
-from llmgw.controlplane.agentapi.kv_intake import KvIntake
 from llmgw.controlplane.agentapi.service import AgentApi, unauthorized
 from llmgw.controlplane.agentapi.tokenizers import store_tokenizer
-from llmgw.controlplane.credentials import NodeCredential, bearer_credential
 from llmgw.controlplane.instances import InstanceIdentity
 from llmgw.errors import clip
+from llmgw.http.bodies import (
+    BadJson,
+    BodyTooLarge,
+    check_json,
+    declared_length,
+    parse_json,
+    read_capped,
+)
+from llmgw.kv.shard_views import ShardViews
 from llmgw.logs import get_logger
 from llmgw.protocol.kvstream import KV_PATH
 from llmgw.protocol.sync import (
@@ -55,6 +61,7 @@ from llmgw.protocol.sync import (
     SyncRequest,
 )
 from llmgw.protocol.tokenizers import TOKENIZER_PATH, TokenizerUpload
+from llmgw.store.credentials import NodeCredential, bearer_credential
 
 __all__ = ["agent_router", "install_agent_api"]
 
@@ -232,7 +239,7 @@ def install_agent_api(
     sessions: async_sessionmaker[AsyncSession],
     instance: InstanceIdentity,
     registry: CollectorRegistry,
-    intake: KvIntake | None = None,
+    intake: ShardViews | None = None,
 ) -> AgentApi:
     """Mount the agent API on ``app`` and run it inside the app's lifespan (after the app's
     own startup, stopped before the app's own shutdown, so the engine is still there for the

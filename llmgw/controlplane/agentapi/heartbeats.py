@@ -17,9 +17,9 @@ from datetime import datetime
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
-from llmgw.controlplane.store.agent_nodes import Heartbeat, flush_heartbeats
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
+from llmgw.store.agent_nodes import Heartbeat, flush_heartbeats
 
 __all__ = ["HeartbeatBatcher"]
 

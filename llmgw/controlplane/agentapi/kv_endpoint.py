@@ -1,4 +1,4 @@
-"""The KV-delta endpoint's core: decode, throttle full copies, hand over to ``KvIntake``.
+"""The KV-delta endpoint's core: decode, throttle full copies, hand over to ``ShardViews``.
 
 Runs on the event loop with no I/O: the node was authenticated from memory and the body read
 under its cap by the HTTP shell (``router.py``); ``placed`` is ``PlacedCache``'s map, never a
@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Callable
 
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.placed import PlacedCache
+from llmgw.kv.shard_views import ShardViews, TokenBucket
 from llmgw.protocol.kvstream import KvStreamError, decode_kv_request, encode_kv_response
 
 __all__ = ["KvHandler"]
@@ -24,7 +24,7 @@ __all__ = ["KvHandler"]
 class KvHandler:
     def __init__(
         self,
-        intake: KvIntake,
+        intake: ShardViews,
         placed: PlacedCache,
         limiter: TokenBucket,
         metrics: AgentApiMetrics,

@@ -46,10 +46,10 @@ from typing import Final
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.kv_intake import TokenBucket
-from llmgw.controlplane.store.agent_nodes import SyncNode, read_sync_node, read_sync_nodes
 from llmgw.eventloop import cancel_and_wait
+from llmgw.kv.shard_views import TokenBucket
 from llmgw.logs import get_logger
+from llmgw.store.agent_nodes import SyncNode, read_sync_node, read_sync_nodes
 
 __all__ = ["UNKNOWN_MAX", "UNKNOWN_TTL_S", "LookupThrottled", "NodeTable"]
 

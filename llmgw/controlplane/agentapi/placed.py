@@ -16,10 +16,10 @@ from collections.abc import Iterable, Mapping
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, PlacedShard
-from llmgw.controlplane.store.agent_shards import PlacedRow, read_placed
 from llmgw.eventloop import cancel_and_wait
+from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.logs import get_logger
+from llmgw.store.agent_shards import PlacedRow, read_placed
 
 __all__ = ["PlacedCache"]
 
@@ -30,7 +30,7 @@ class PlacedCache:
     def __init__(
         self,
         sessions: async_sessionmaker[AsyncSession],
-        intake: KvIntake,
+        intake: ShardViews,
         *,
         refresh_s: float,
     ) -> None:

@@ -24,19 +24,19 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.nodes import NodeTable
-from llmgw.controlplane.credentials import (
+from llmgw.logs import get_logger
+from llmgw.protocol.sync import RegisterRequest, RegisterResponse
+from llmgw.store.agent_nodes import claim_or_insert_node, upsert_node_status
+from llmgw.store.bootstrap_tokens import (
+    consume_bootstrap_token,
+    read_bootstrap_token_hash,
+)
+from llmgw.store.credentials import (
     hash_matches,
     new_node_credential,
     parse_bootstrap_token,
     secret_sha256,
 )
-from llmgw.controlplane.store.agent_nodes import claim_or_insert_node, upsert_node_status
-from llmgw.controlplane.store.bootstrap_tokens import (
-    consume_bootstrap_token,
-    read_bootstrap_token_hash,
-)
-from llmgw.logs import get_logger
-from llmgw.protocol.sync import RegisterRequest, RegisterResponse
 
 __all__ = ["RegisterHandler"]
 

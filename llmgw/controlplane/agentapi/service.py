@@ -23,18 +23,18 @@ from llmgw.config import AgentApiSettings
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.kv_endpoint import KvHandler
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.nodes import LookupThrottled, NodeTable
 from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.agentapi.register import RegisterHandler
 from llmgw.controlplane.agentapi.sync import SyncHandler
-from llmgw.controlplane.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.instances import InstanceHeartbeat
-from llmgw.controlplane.store.agent_nodes import read_cluster_id
-from llmgw.controlplane.store.instances import InstanceIdentity
 from llmgw.eventloop import cancel_and_wait
+from llmgw.kv.shard_views import ShardViews, TokenBucket
 from llmgw.logs import get_logger
+from llmgw.store.agent_nodes import read_cluster_id
+from llmgw.store.credentials import NodeCredential, hash_matches
+from llmgw.store.instances import InstanceIdentity
 
 __all__ = ["AgentApi"]
 
@@ -49,13 +49,13 @@ class AgentApi:
         sessions: async_sessionmaker[AsyncSession],
         instance: InstanceIdentity,
         registry: CollectorRegistry,
-        intake: KvIntake | None = None,
+        intake: ShardViews | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
         self.metrics = AgentApiMetrics.create(registry)
         # The gateway's router reads this intake's index: pass the shared one in.
-        self.intake = intake if intake is not None else KvIntake()
+        self.intake = intake if intake is not None else ShardViews()
         self.instances = InstanceHeartbeat(
             sessions, instance, period_s=settings.instance_heartbeat_s
         )

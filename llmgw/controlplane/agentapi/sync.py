@@ -52,15 +52,16 @@ from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.nodes import NodeTable
 from llmgw.controlplane.agentapi.placed import PlacedCache
-from llmgw.controlplane.credentials import NodeCredential, hash_matches
 from llmgw.controlplane.instances import InstanceHeartbeat
-from llmgw.controlplane.store.agent_nodes import (
+from llmgw.logs import get_logger
+from llmgw.protocol.sync import DesiredShard, ShardBinding, SyncRequest, SyncResponse
+from llmgw.store.agent_nodes import (
     SyncNode,
     bump_desired_version,
     read_sync_node,
     record_sync_order,
 )
-from llmgw.controlplane.store.agent_shards import (
+from llmgw.store.agent_shards import (
     GONE_STATES,
     DesiredShardRow,
     PlacedRow,
@@ -70,8 +71,7 @@ from llmgw.controlplane.store.agent_shards import (
     release_stopped_shards,
     stopped_shards_gone,
 )
-from llmgw.logs import get_logger
-from llmgw.protocol.sync import DesiredShard, ShardBinding, SyncRequest, SyncResponse
+from llmgw.store.credentials import NodeCredential, hash_matches
 
 __all__ = ["SyncHandler", "desired_shard", "placed_row"]
 

@@ -17,11 +17,11 @@ import uuid
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.errors import AgentApiRefusal
-from llmgw.controlplane.store.tokenizers import shard_model, store_model_tokenizer
 from llmgw.errors import LlmgwError, clip
 from llmgw.kv.hf_tokenizer import TokenizerFiles
 from llmgw.logs import get_logger
 from llmgw.protocol.tokenizers import TokenizerUpload, TokenizerUploadResponse
+from llmgw.store.tokenizers import shard_model, store_model_tokenizer
 
 __all__ = ["store_tokenizer"]
 

@@ -28,11 +28,11 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from prometheus_client import CollectorRegistry
 from starlette.staticfiles import StaticFiles
 
-from llmgw.controlplane.agentapi.kv_intake import KvIntake, TokenBucket
 from llmgw.controlplane.console import fleet_view, routing_view, usage_view, wire
 from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError, AdminCalls
 from llmgw.controlplane.console.sampler import RoutingSampler
 from llmgw.controlplane.console.sessions import COOKIE, Session, SessionStore
+from llmgw.kv.shard_views import ShardViews, TokenBucket
 
 __all__ = ["install_console"]
 
@@ -91,7 +91,7 @@ class Console:
         app: FastAPI,
         admin_token: str,
         registry: CollectorRegistry | None = None,
-        kv: KvIntake | None = None,
+        kv: ShardViews | None = None,
     ) -> None:
         self.sessions = SessionStore(ttl_s=SESSION_TTL_S, idle_s=SESSION_IDLE_S)
         # Failed sign-ins only: guessing the token costs a second per try after a burst.
@@ -194,7 +194,7 @@ def install_console(
     *,
     admin_token: str,
     registry: CollectorRegistry | None = None,
-    kv: KvIntake | None = None,
+    kv: ShardViews | None = None,
 ) -> Console:
     """Mount the console at ``/ui`` on ``app`` (the internal listener's). ``registry`` holds
     the gateway's metrics the Routing page samples; the caller runs ``console.sampler.run``

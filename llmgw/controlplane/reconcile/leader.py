@@ -29,9 +29,9 @@ import psycopg
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.controlplane.store.listen import connect_dedicated
 from llmgw.errors import ConflictError
 from llmgw.logs import get_logger
+from llmgw.store.listen import connect_dedicated
 
 __all__ = ["RECONCILE_LOCK_KEY", "FencedError", "LeaderLock", "check_epoch"]
 

@@ -35,17 +35,18 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.planner.autoscale import Decision
-from llmgw.controlplane.planner.plan import compute_plan
-from llmgw.controlplane.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
-from llmgw.controlplane.planner.snapshot import DeploymentId, PlanSettings
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
-from llmgw.controlplane.store.catalog import CHANGE_CHANNEL
-from llmgw.controlplane.store.demand import DEMAND_CHANNEL, ModelDemand, read_demand
-from llmgw.controlplane.store.listen import Listener, ListenLog
-from llmgw.controlplane.store.reconcile import apply_plan, apply_scale, load_snapshot
+from llmgw.controlplane.reconcile.read import load_snapshot
+from llmgw.controlplane.reconcile.write import apply_plan, apply_scale
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
+from llmgw.planner.autoscale import Decision
+from llmgw.planner.plan import compute_plan
+from llmgw.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
+from llmgw.planner.snapshot import DeploymentId, PlanSettings
+from llmgw.store.catalog import CHANGE_CHANNEL
+from llmgw.store.demand import DEMAND_CHANNEL, ModelDemand, read_demand
+from llmgw.store.listen import Listener, ListenLog
 
 __all__ = ["ReconcileMetrics", "Reconciler"]
 

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from llmgw.controlplane.planner import (
+from llmgw.engines.requirements import PlacementRequirements
+from llmgw.planner import (
     GPU,
     DeploymentId,
     DeploymentView,
@@ -30,7 +31,6 @@ from llmgw.controlplane.planner import (
     compute_plan,
     serving,
 )
-from llmgw.engines.requirements import PlacementRequirements
 
 __all__ = [
     "H100",

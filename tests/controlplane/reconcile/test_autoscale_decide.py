@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.controlplane.planner.autoscale import (
+from llmgw.planner.autoscale import (
     AutoscalePolicy,
     DemandSample,
     History,

@@ -16,9 +16,9 @@ from reconcile_testkit import (
     step,
 )
 
-from llmgw.controlplane.planner.actions import CreateReplica, SetShardsDesiredState, StopReplica
-from llmgw.controlplane.planner.autoscale import AutoscalePolicy
-from llmgw.controlplane.planner.status import status_actions
+from llmgw.planner.actions import CreateReplica, SetShardsDesiredState, StopReplica
+from llmgw.planner.autoscale import AutoscalePolicy
+from llmgw.planner.status import status_actions
 
 POLICY = AutoscalePolicy(min_replicas=0, max_replicas=4, target_waiting_requests=4)
 

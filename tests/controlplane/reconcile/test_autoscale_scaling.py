@@ -7,9 +7,9 @@ from datetime import timedelta
 
 from reconcile_testkit import T0, deployment, node, run_until_settled, snapshot
 
-from llmgw.controlplane.planner.autoscale import AutoscalePolicy, ScaleState
-from llmgw.controlplane.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
-from llmgw.controlplane.planner.snapshot import DeploymentId, RolloutStatus
+from llmgw.planner.autoscale import AutoscalePolicy, ScaleState
+from llmgw.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
+from llmgw.planner.snapshot import DeploymentId, RolloutStatus
 
 POLICY = AutoscalePolicy(min_replicas=0, max_replicas=4, target_waiting_requests=2,
                          scale_up_window_s=0)  # fmt: skip

@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 from reconcile_testkit import SETTINGS, T0, node, requirements, snapshot
 
-from llmgw.controlplane.planner import (
+from llmgw.errors import PlacementError
+from llmgw.planner import (
     GPU,
     Capacity,
     DeploymentId,
@@ -24,7 +25,6 @@ from llmgw.controlplane.planner import (
     Unplaceable,
     place_replica,
 )
-from llmgw.errors import PlacementError
 
 
 def _req(

@@ -18,7 +18,8 @@ from reconcile_testkit import (
     step,
 )
 
-from llmgw.controlplane.planner import (
+from llmgw.errors import ConfigError, SpecError
+from llmgw.planner import (
     CreateReplica,
     DeploymentView,
     DrainReplica,
@@ -31,7 +32,6 @@ from llmgw.controlplane.planner import (
     compute_plan,
     rollout_budget,
 )
-from llmgw.errors import ConfigError, SpecError
 
 
 def _kinds(plan: Plan) -> list[str]:

@@ -28,7 +28,7 @@ from reconcile_testkit import (
     snapshot,
 )
 
-from llmgw.controlplane.planner import (
+from llmgw.planner import (
     DeploymentView,
     NodeView,
     PlanSettings,

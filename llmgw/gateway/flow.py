@@ -1,0 +1,347 @@
+"""Flow control: the gateway never sends a replica more than it admits, and holds the rest in
+a bounded, fair queue per model, shedding (503 + Retry-After) what it cannot hold.
+
+A request that reaches ``enter`` has passed its key's own limits (``limits``: 429). If no one
+waits for its model and a replica of it has room (``admission``: the ceiling's AIMD limit
+less this gateway's in flight less what other gateways put there, as last scraped), it goes
+on at once, holding a *grant* until ``upstream.send`` counts it in flight. Otherwise it waits
+in the model's ``FairQueue`` until ``dispatch`` hands it a grant (a request ended, a scrape
+or the ticker found room), until ``gateway.queue_timeout_s`` (shed: 503), or until its
+client leaves (the request's ``DisconnectWatch`` cancels it: it leaves the queue at once).
+A request leaving the queue is routed by the normal rules at that moment, among the
+replicas with room.
+
+Scale from zero: a request for an autoscaled model (``ModelRoute.wakeable``) with no ready
+replica is *held* in the same queue, under the same bounds (503 + Retry-After past them),
+instead of an immediate 503. The first held request calls ``on_hold`` (the demand reporter
+writes at once and NOTIFYs the leader), and the ticker re-reads the route table (``refresh``)
+so held requests leave as soon as a replica is ready.
+
+The gateway's own upstream pool (``gateway.upstream_pool_size`` connections, all replicas)
+bounds the sum as well, less a reserve for the load scrape and tokenizing: a request past
+the pool would wait for a connection inside aiohttp, unfairly and against the connect
+timeout (measured: 27 of a 6,000 burst answered 502 "timed out" with 768 admitted on a pool
+of 512).
+
+Grants count per model, not per replica: the router picks the replica after the grant, so a
+grant is a claim on the model's summed room. A replica serving a model and its adapters is
+counted under each name's grants; the overshoot that allows is bounded by the waiting
+allowance every ceiling carries.
+
+What it must NOT do: send anything to the client while a request waits (a stream sees no
+header and no byte before its first token), order the queue (``fair_queue`` does), or hold a
+grant past the request's send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from llmgw.config import GatewaySettings
+from llmgw.eventloop import cancel_and_wait
+from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.load import LoadTracker
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.routing.admission import AdmissionWindows
+from llmgw.gateway.routing.fair_queue import DrainRate, FairQueue
+from llmgw.logs import get_logger
+
+__all__ = ["Demand", "FlowControl"]
+
+log = get_logger("llmgw.gateway")
+
+_TICK_S = 0.2
+# Pool connections kept for the load scrape (one per replica) and tokenize calls: a pool
+# full of requests would starve the scrape that tells busy from broken.
+_POOL_RESERVE = 16
+_RETRY_AFTER_FLOOR_S = 1.0
+_RETRY_AFTER_CEILING_S = 60.0
+# Weight of each routed request in a model's moving hit rate (~the last 50).
+_HIT_WEIGHT = 0.02
+
+
+@dataclass(slots=True)
+class Demand:
+    """One model's demand on this gateway, as reported to Postgres (``store.demand``)."""
+
+    model: str
+    queued: int = 0
+    in_flight: int = 0
+    shed: int = 0  # requests shed since this process started
+    saturated_since: float | None = None  # clock() when its queue last became non-empty
+    # Queued requests of a model with no ready replica (all of its queue, then).
+    held: int = 0
+    # Prompt tokens (estimated) queued here plus those sent and not past prefill; and the
+    # part of them no prefix cache holds (queued ones discounted by the model's hit rate).
+    queued_prefill_tokens: int = 0
+    uncached_prefill_tokens: int = 0
+    # Share of routed prompt tokens a replica's cache held (moving average); None: none yet.
+    hit_rate: float | None = None
+    # What the model's engines reported waiting at the last scrape (their own queues).
+    engine_waiting: int = 0
+
+
+class FlowControl:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        load: LoadTracker,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._settings = settings
+        self._load = load
+        self._metrics = metrics
+        self._clock = clock
+        self.windows = AdmissionWindows()
+        self._queues: dict[str, FairQueue[asyncio.Future[None]]] = {}
+        self._routes: dict[str, ModelRoute] = {}
+        self._granted: dict[str, int] = {}
+        self._drain: dict[str, DrainRate] = {}
+        self.demand: dict[str, Demand] = {}
+        self._queued_tokens: dict[str, int] = {}
+        # model -> clock() of its first held request while no replica was ready.
+        self._held_since: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        # Called when a model's first request is held (no ready replica): wakes the leader.
+        self.on_hold: Callable[[], None] | None = None
+
+    # --- the table and the ticker ---------------------------------------------------------
+
+    def configure(self, table: RouteTable) -> None:
+        """A new route table: replicas' ceilings, and the routes queues drain into."""
+        ceilings: dict[str, int] = {}
+        for route in table.routes.values():
+            for ep in route.endpoints:
+                ceilings[ep.replica] = ep.max_in_flight
+        self.windows.configure(ceilings.items())
+        # Queues of names gone from the table keep their last route: they drain or time out.
+        self._routes.update(table.routes)
+        now = self._clock()
+        for model in [m for m in self._held_since if table.routes.get(m) is not None]:
+            if table.routes[model].endpoints:
+                woke = now - self._held_since.pop(model)
+                self._metrics.observe(self._metrics.wake_seconds, woke, model)
+                log.info("gateway_model_woken", model=model, waited_s=round(woke, 3))
+        self.dispatch()
+
+    async def start(self, refresh: Callable[[], object] | None = None) -> None:
+        """``refresh``: re-read the route table (it calls ``configure`` when it changed), so
+        held requests see a woken replica without a new request arriving."""
+
+        async def tick() -> None:
+            # Room also appears without a request of ours ending: a scrape shows other
+            # gateways' requests gone, an AIMD limit grew back.
+            while True:
+                await asyncio.sleep(_TICK_S)
+                if refresh is not None:
+                    refresh()
+                self.dispatch()
+                self._report()
+                for queue in self._queues.values():
+                    queue.forget_idle()  # keys seen once do not stay in memory
+
+        self._task = asyncio.create_task(tick(), name="gateway-flow")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        for queue in self._queues.values():
+            while (entry := queue.pop()) is not None:
+                if not entry.item.done():
+                    entry.item.cancel()
+
+    # --- admission ------------------------------------------------------------------------
+
+    def room(self, replica: str) -> int:
+        load = self._load
+        return self.windows.room(replica, load.in_flight.get(replica, 0), load.others(replica))
+
+    def with_room(self, eps: list[Endpoint]) -> list[Endpoint]:
+        """The candidates that can take a request now (all of them when none can: a request
+        holding a grant is sent, and a race between two grants costs one over the limit)."""
+        roomy = [ep for ep in eps if self.room(ep.replica) > 0]
+        return roomy or eps
+
+    def _model_room(self, route: ModelRoute) -> int:
+        load = self._load
+        eps = [ep for ep in route.endpoints if load.healthy(ep.replica)] or route.endpoints
+        free = sum(max(0, self.room(ep.replica)) for ep in eps)
+        pool = (
+            max(1, self._settings.upstream_pool_size - _POOL_RESERVE)
+            - sum(load.in_flight.values())
+            - sum(self._granted.values())
+        )
+        return min(free - self._granted.get(route.name, 0), pool)
+
+    async def enter(
+        self, route: ModelRoute, key_id: str, priority: int, size_bytes: int, prompt_tokens: int = 0
+    ) -> None:
+        """Return holding a grant for ``route``'s model (``release`` it when the request is
+        sent or fails before), or raise the 503 that sheds it. Cancelled (the client left,
+        the process stops): leaves the queue at once. ``prompt_tokens``: its estimate, for
+        the demand the autoscaler reads."""
+        model = route.name
+        queue = self._queues.get(model)
+        if route.endpoints and (queue is None or not queue) and self._model_room(route) > 0:
+            self._granted[model] = self._granted.get(model, 0) + 1
+            return
+        s = self._settings
+        if queue is None:
+            queue = self._queues[model] = FairQueue(
+                max_requests=s.queue_max_requests, max_bytes=s.queue_max_bytes
+            )
+            self._drain[model] = DrainRate()
+        now = self._clock()
+        grant: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = queue.push(key_id, grant, size_bytes=size_bytes, now=now, priority=priority)
+        if isinstance(entry, str):
+            raise self._shed(model, entry, len(queue))
+        self._routes[model] = route
+        demand = self.demand.setdefault(model, Demand(model))
+        if demand.saturated_since is None:
+            demand.saturated_since = now
+        self._queued_tokens[model] = self._queued_tokens.get(model, 0) + prompt_tokens
+        if not route.endpoints:
+            if not demand.held and self.on_hold is not None:
+                self.on_hold()
+            self._held_since.setdefault(model, now)
+            demand.held = len(queue)
+        metrics = self._metrics
+        metrics.add(metrics.queue_requests, 1, model, key_id)
+        try:
+            async with asyncio.timeout(s.queue_timeout_s):
+                await grant
+        except TimeoutError:
+            queue.remove(entry)
+            raise self._shed(model, "queue_timeout", len(queue)) from None
+        except asyncio.CancelledError:
+            if grant.done() and not grant.cancelled():
+                self.release(model)  # granted as it was cancelled: give the grant back
+            else:
+                queue.remove(entry)
+            raise
+        finally:
+            left = self._queued_tokens.get(model, 0) - prompt_tokens
+            self._queued_tokens[model] = max(0, left)
+            metrics.add(metrics.queue_requests, -1, model, key_id)
+            metrics.observe(metrics.queue_wait_seconds, self._clock() - now, model, key_id)
+
+    def release(self, model: str) -> None:
+        """The grant's request was sent (counted in flight now) or failed before it was."""
+        left = self._granted.get(model, 0) - 1
+        if left > 0:
+            self._granted[model] = left
+        else:
+            self._granted.pop(model, None)
+
+    def routed(self, model: str, prompt_tokens: int, prefill: float) -> None:
+        """A request was routed: ``prefill`` of its ``prompt_tokens`` are computed (the rest
+        a replica's prefix cache holds); feeds the model's hit rate."""
+        if prompt_tokens <= 0:
+            return
+        hit = max(0.0, min(1.0, 1.0 - prefill / prompt_tokens))
+        demand = self.demand.setdefault(model, Demand(model))
+        demand.hit_rate = (
+            hit
+            if demand.hit_rate is None
+            else demand.hit_rate + _HIT_WEIGHT * (hit - demand.hit_rate)
+        )
+
+    def charge(self, model: str, key_id: str, tokens: int) -> None:
+        """Tokens served to ``key_id`` on ``model``: what orders the queue's keys."""
+        queue = self._queues.get(model)
+        if queue is not None:
+            queue.charge(key_id, tokens)
+
+    def dispatch(self) -> None:
+        """Hand grants to queued requests while their models have room."""
+        now = self._clock()
+        for model, queue in self._queues.items():
+            if not queue:
+                continue
+            route = self._routes.get(model)
+            if route is None:
+                continue
+            room = self._model_room(route)
+            sent = 0
+            while room > 0 and (entry := queue.pop()) is not None:
+                if entry.item.done():  # cancelled as it was popped
+                    continue
+                entry.item.set_result(None)
+                self._granted[model] = self._granted.get(model, 0) + 1
+                room -= 1
+                sent += 1
+            if sent:
+                self._drain[model].record(now, sent)
+            if not queue:
+                demand = self.demand.get(model)
+                if demand is not None:
+                    demand.saturated_since = None
+
+    # --- shedding and reporting -----------------------------------------------------------
+
+    def _shed(self, model: str, reason: str, queued: int) -> GatewayError:
+        now = self._clock()
+        drain = self._drain.get(model)
+        retry = (
+            drain.retry_after_s(
+                queued, now, floor_s=_RETRY_AFTER_FLOOR_S, ceiling_s=_RETRY_AFTER_CEILING_S
+            )
+            if drain is not None
+            else _RETRY_AFTER_FLOOR_S
+        )
+        self._metrics.inc(self._metrics.shed, model, reason)
+        self.demand.setdefault(model, Demand(model)).shed += 1
+        return GatewayError.overloaded(model, _SHED_WHY[reason], retry)
+
+    def shed_busy(self, model: str) -> GatewayError:
+        """A replica refused or reset while busy and no other could take the request."""
+        return self._shed(model, "replica_busy", len(self._queues.get(model) or ()))
+
+    def _report(self) -> None:
+        metrics = self._metrics
+        load = self._load
+        for replica in self._replicas():
+            metrics.gauge(metrics.admitted_in_flight, load.in_flight.get(replica, 0), replica)
+            limit = self.windows.limit(replica)
+            if limit is not None:
+                metrics.gauge(metrics.admission_limit, limit, replica)
+        for model, route in self._routes.items():
+            demand = self.demand.setdefault(model, Demand(model))
+            demand.queued = len(self._queues.get(model) or ())
+            demand.in_flight = sum(load.in_flight.get(ep.replica, 0) for ep in route.endpoints)
+            demand.held = 0 if route.endpoints else demand.queued
+            if not route.endpoints and not demand.queued:
+                self._held_since.pop(model, None)  # they gave up: the next wait starts anew
+            metrics.gauge(metrics.held_requests, demand.held, model)
+            demand.engine_waiting = sum(load.waiting.get(ep.replica, 0) for ep in route.endpoints)
+            # What was sent and is not past prefill is exactly the uncached part (the router
+            # counts a request's computed tokens); what waits here is discounted by hit rate.
+            sent = int(sum(load.prefill.get(ep.replica, 0.0) for ep in route.endpoints))
+            queued = self._queued_tokens.get(model, 0)
+            demand.queued_prefill_tokens = queued + sent
+            demand.uncached_prefill_tokens = sent + int(queued * (1.0 - (demand.hit_rate or 0.0)))
+
+    def _replicas(self) -> Iterable[str]:
+        seen: set[str] = set()
+        for route in self._routes.values():
+            seen.update(ep.replica for ep in route.endpoints)
+        return seen
+
+    def snapshot(self) -> list[Demand]:
+        """Every model's demand now, for the periodic report to Postgres."""
+        self._report()
+        return [replace(d) for d in self.demand.values()]
+
+
+_SHED_WHY = {
+    "queue_requests": "its queue is full (gateway.queue_max_requests)",
+    "queue_bytes": "its queue holds as many request bytes as it may (gateway.queue_max_bytes)",
+    "queue_timeout": "no replica could take the request within gateway.queue_timeout_s",
+    "replica_busy": "its replicas refused the connection while busy",
+}

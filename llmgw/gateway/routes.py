@@ -1,0 +1,228 @@
+"""The gateway's route table: which replicas serve which model name, cached in memory.
+
+Two statements (``store.routes``) read every live rank-0 shard with its replica's state and
+its launch spec's profile, and every deployment's names; ``build_table`` (pure) turns the rows
+into a name -> ``ModelRoute`` map: the served model name and every LoRA adapter name (adapters
+route to replicas of the base model that load them; models and adapters share one namespace,
+and a name claimed by both routes as the model).
+A replica is *ready* (the statement decides) when it is active (not draining or stopping), its
+shard is desired running, its agent reports the shard ready and gives a proxy URL. Names of deployments whose
+replicas are all unready (or that have none: scaled to zero, all replaced in a rollout) stay in
+the table, so a client gets 503 (retry) instead of 404 (wrong name).
+Each replica's admission ceiling and each name's ``tokenizer_none`` (a profile serving it says
+``tokenizer: none``) are the profiles' live values, so an edit reaches the gateways within
+seconds without a roll.
+
+``RouteCache`` re-reads every ``refresh_s`` and at once on a NOTIFY of the desired-state
+channel (a drain, a new deployment). When Postgres is down it keeps the last table: the
+gateway serves from it (fail static), and passive health ejects replicas that died meanwhile.
+
+What it must NOT do: hand the engine keys to anything but the upstream client (they are
+``repr=False`` and never logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from llmgw.gateway.notified import NotifiedCache
+from llmgw.gateway.routing.router import HashParams
+from llmgw.kv.hashing import ExtraKeyFormat
+from llmgw.logs import get_logger
+from llmgw.store.catalog import CHANGE_CHANNEL, ROUTES_CHANNEL
+from llmgw.store.routes import DeclaredRow, RouteRow, read_declared, read_routes
+
+__all__ = [
+    # The rows build_table takes, read by store.routes.
+    "DeclaredRow",
+    "Endpoint",
+    "ModelRoute",
+    "RouteCache",
+    "RouteRow",
+    "RouteTable",
+    "build_table",
+]
+
+log = get_logger("llmgw.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One replica as the gateway reaches it: through its rank-0 shard's agent proxy."""
+
+    replica: str
+    shard: str
+    url: str  # the agent's proxy for the shard: http://<mgmt>:<port>/shards/<shard>
+    api_key: str = field(repr=False)  # shards.engine_api_key: the proxy demands it
+    index_model: str  # the name the KV index files this shard's blocks under
+    hash: HashParams | None  # None: the profile has no kv_events, precise routing impossible
+    adapters: Mapping[str, str]  # LoRA name -> path, as the engine was given them
+    # The engine process behind it (boot id, pid, start time): a new one has an empty KV cache.
+    incarnation: str = ""
+    # Admission ceiling: requests running plus waiting it takes from all gateways together.
+    max_in_flight: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    name: str  # what clients send as "model" (and what the engine answers to)
+    base: str  # the served model name the adapter belongs to (== name for a model)
+    lora: tuple[str, str] | None  # (adapter name, path) for an adapter name
+    endpoints: tuple[Endpoint, ...]  # ready replicas only; empty: 503 (or held, below)
+    # An autoscaled deployment serves the name: with no ready replica a request waits in the
+    # queue while its demand wakes one (scale from zero), instead of an immediate 503.
+    wakeable: bool = False
+    # A profile serving the name (a deployment's, or one a live replica was launched from)
+    # says `tokenizer: none`: the gateway never tokenizes its prompts itself, whatever files
+    # are stored for it (a replica's /tokenize, then the approximate tree).
+    tokenizer_none: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTable:
+    routes: Mapping[str, ModelRoute]
+    read_at: float  # time.monotonic() of the read; 0.0: never read
+
+    def get(self, name: str) -> ModelRoute | None:
+        return self.routes.get(name)
+
+
+def _hash_params(profile: Mapping[str, Any]) -> HashParams | None:
+    if not profile.get("kv_events"):
+        return None
+    kv = profile.get("kv_hash") or {}
+    raw_fmt = kv.get("extra_key_format") or "tagged"
+    if raw_fmt not in ("tagged", "legacy"):
+        return None
+    fmt: ExtraKeyFormat = "legacy" if raw_fmt == "legacy" else "tagged"
+    try:
+        block_size = int(kv.get("block_size") or 16)
+    except (TypeError, ValueError):
+        return None
+    seed = kv.get("seed") or None
+    return HashParams(seed=str(seed) if seed is not None else None, block_size=block_size,
+                      extra_key_format=fmt)  # fmt: skip
+
+
+def served_name(profile: Mapping[str, Any], index_model: str) -> str:
+    return str(
+        profile.get("served_model_name")
+        or profile.get("model")
+        or index_model
+        or profile.get("model_path")
+        or ""
+    )
+
+
+def build_table(
+    rows: Iterable[RouteRow], *, read_at: float, declared: Iterable[DeclaredRow] = ()
+) -> RouteTable:
+    """Pure: the rows of ``store.routes.read_routes`` (and ``read_declared``) -> the table."""
+    models: dict[str, list[Endpoint]] = {}
+    adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
+    wakeable: set[str] = set()
+    no_local: set[str] = set()  # names a profile serving them says `tokenizer: none` for
+    for d in declared:
+        models.setdefault(d.name, [])
+        if d.tokenizer_none:
+            no_local.add(d.name)
+            no_local.update(lora for lora, _ in d.adapters)
+        if d.autoscaled:
+            wakeable.add(d.name)
+            wakeable.update(lora for lora, _ in d.adapters)
+        for lora, path in d.adapters:
+            adapters.setdefault(lora, (d.name, path, []))
+    for row in rows:
+        name = served_name(row.profile, row.index_model)
+        if not name:
+            continue
+        raw = row.profile.get("adapters") or []
+        loras = {
+            str(a["name"]): str(a.get("path", ""))
+            for a in raw
+            if isinstance(a, Mapping) and a.get("name")
+        }
+        ep = Endpoint(
+            replica=row.replica,
+            shard=row.shard,
+            url=row.proxy_url.rstrip("/"),
+            api_key=row.api_key,
+            index_model=row.index_model or name,
+            hash=_hash_params(row.profile),
+            adapters=loras,
+            incarnation=row.incarnation,
+            max_in_flight=row.max_in_flight or 1 << 20,
+        )
+        if row.tokenizer_none:
+            no_local.add(name)
+            no_local.update(loras)
+        eps = models.setdefault(name, [])
+        if row.ready:
+            eps.append(ep)
+        for lora, path in loras.items():
+            _, _, lora_eps = adapters.setdefault(lora, (name, path, []))
+            if row.ready:
+                lora_eps.append(ep)
+    routes: dict[str, ModelRoute] = {}
+    for name, eps in models.items():
+        routes[name] = ModelRoute(
+            name,
+            name,
+            None,
+            tuple(sorted(eps, key=lambda e: e.replica)),
+            name in wakeable,
+            name in no_local,
+        )
+    for lora, (base, path, eps) in adapters.items():
+        if lora in routes:
+            log.warning("gateway_name_conflict", name=lora, kept="model", dropped="adapter")
+            continue
+        routes[lora] = ModelRoute(
+            lora,
+            base,
+            (lora, path),
+            tuple(sorted(eps, key=lambda e: e.replica)),
+            lora in wakeable,
+            # An adapter's prompts are tokenized with its base model's files.
+            lora in no_local or base in no_local,
+        )
+    return RouteTable(routes, read_at)
+
+
+class RouteCache(NotifiedCache):
+    """The table, re-read on NOTIFY (and every ``refresh_s``, a safety net); the last good one
+    while Postgres is down."""
+
+    def __init__(
+        self,
+        sessions: async_sessionmaker[AsyncSession],
+        *,
+        libpq_url: str | None,
+        refresh_s: float,
+    ) -> None:
+        # Admin changes (names, adapters) and route changes (replicas' states).
+        super().__init__(
+            "routes",
+            libpq_url=libpq_url,
+            channels=[CHANGE_CHANNEL, ROUTES_CHANNEL],
+            refresh_s=refresh_s,
+        )
+        self._sessions = sessions
+        self.table = RouteTable({}, 0.0)
+        self.changed = asyncio.Event()  # set after every successful refresh (tests wait on it)
+
+    async def refresh(self) -> None:
+        async with self._sessions() as session, session.begin():
+            rows = await read_routes(session)
+            declared = await read_declared(session)
+        self.table = build_table(rows, read_at=time.monotonic(), declared=declared)
+        self.changed.set()
+
+    def holds(self) -> int:
+        return len(self.table.routes)

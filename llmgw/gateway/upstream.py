@@ -1,0 +1,251 @@
+"""The upstream side of the request path: the pooled session to the replicas' agent proxies,
+sending a request to a replica, and the retry rule.
+
+Retries: only when the connection to the replica could not be made (directly, or as the agent's
+proxy reports it: 502 ``upstream-unavailable``, or 404 ``not-found`` for a shard it no longer
+serves) or the replica answered 503 before any header; at most once, to another replica (one
+without recent failures first), within a retry budget (a token bucket filled by
+``gateway.retry_budget_ratio`` per request). Anything else is not retried: the engine may have
+started the work.
+
+Every request is counted on its replica from before it is sent until it ends (``LoadTracker``:
+in flight, and its prefill until the first token), and its ``Claim`` held in the ``computing``
+tree meanwhile; an attempt that failed to connect leaves no claim (the replica most likely holds
+none of it).
+
+Busy is not broken: a refused or reset connection, or a 503, from a replica that reports
+itself alive (its /metrics scraped lately) and loaded (running + waiting at least half its
+admission limit) halves its admission limit (``admission``) instead of counting toward its
+ejection; the retry rule is the same. When no retry is left, a busy refusal is ``Busy`` (the
+app sheds it: 503 with Retry-After), never a 502. Only failures at low load eject.
+
+What it must NOT do: follow redirects or decompress (``pool``), retry a request that may have
+reached an engine, or let a count leak when a request is cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from llmgw.config import GatewaySettings
+from llmgw.gateway.errors import upstream_failed
+from llmgw.gateway.load import LoadTracker, RetryBudget
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.pool import create_client, read_capped
+from llmgw.gateway.routes import Endpoint, ModelRoute
+from llmgw.gateway.routing.admission import AdmissionWindows
+from llmgw.gateway.routing.approx import ApproxTree
+from llmgw.gateway.routing.inputs import Claim
+from llmgw.logs import get_logger
+
+__all__ = ["Attempt", "Busy", "Upstream"]
+
+log = get_logger("llmgw.gateway")
+
+
+class Busy(Exception):
+    """The replica (and any retry's) refused or reset the request while busy: shed, not a
+    fault."""
+
+
+@dataclass(slots=True)
+class Attempt:
+    """A request a replica accepted: its answer's headers are in."""
+
+    ep: Endpoint
+    resp: aiohttp.ClientResponse
+    prefill: float  # prompt tokens the replica computes, counted as its work until the 1st token
+    claim: Claim | None  # the prompt's claim in the ``computing`` tree, until the 1st token
+
+
+# The agent proxy's answers that mean "the request never reached an engine": it could not
+# connect to it (502), or it no longer serves the shard (404, a route table a moment stale).
+# They are the proxy's spelling of a connection error, retried like one.
+_PROXY_UNREACHED = {502: "upstream-unavailable", 404: "not-found"}
+# The proxy's error bodies are a few hundred bytes; a bigger one is not the proxy's.
+_PROXY_ERROR_MAX_BYTES = 64 * 1024
+
+
+class Upstream:
+    """The session to the replicas (``open`` at start, ``close`` at the end) and the requests
+    sent over it, counted in ``load`` and claimed in ``computing``."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        load: LoadTracker,
+        computing: ApproxTree,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        windows: AdmissionWindows | None = None,
+    ) -> None:
+        self._settings = settings
+        self._windows = windows or AdmissionWindows()
+        self._load = load
+        self._computing = computing
+        self._metrics = metrics
+        self._clock = clock
+        self.budget = RetryBudget(ratio=settings.retry_budget_ratio)
+        self._http: aiohttp.ClientSession | None = None
+
+    def open(self) -> aiohttp.ClientSession:
+        """Create the pooled session (the load scrape and the tokenizer share it)."""
+        s = self._settings
+        self._http = create_client(
+            pool_size=s.upstream_pool_size,
+            connect_timeout_s=s.upstream_connect_timeout_s,
+            read_timeout_s=s.upstream_read_timeout_s,
+        )
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    def candidates(self, route: ModelRoute, exclude: Sequence[str]) -> list[Endpoint]:
+        """The route's endpoints but ``exclude``, the ejected ones left out unless all are."""
+        eps = [ep for ep in route.endpoints if ep.replica not in exclude]
+        healthy = [ep for ep in eps if self._load.healthy(ep.replica)]
+        return healthy or eps
+
+    async def send(
+        self,
+        route: ModelRoute,
+        replica: str,
+        payload: bytes,
+        path: str,
+        *,
+        prefill: float,
+        prompt_tokens: int,
+        claim: Claim | None = None,
+    ) -> Attempt:
+        """Send to ``replica``, retried once elsewhere on a connection error or a 503 before
+        any header. ``prefill``: what of the prompt ``replica`` computes (a retry's replica
+        is taken to compute all ``prompt_tokens``)."""
+        assert self._http is not None
+        load = self._load
+        ep = next(e for e in route.endpoints if e.replica == replica)
+        tried: list[str] = []
+        while True:
+            tried.append(ep.replica)
+            why: str
+            # Counted from before the request is sent: a non-streamed answer's headers come
+            # only when it is complete, and the replica is busy with it all along.
+            load.started(ep.replica, prefill)
+            if claim is not None:
+                self._computing.record(*claim, ep.replica, now=math.inf)
+            try:
+                resp = await self._http.post(
+                    ep.url + path,
+                    data=payload,
+                    headers={
+                        "Authorization": f"Bearer {ep.api_key}",
+                        "Content-Type": "application/json",
+                    },
+                    allow_redirects=False,
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                self.ended(ep.replica, prefill, claim, computed=False)
+                why, kind = "connection refused, unreachable or timed out", "connect"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # The request may have reached the engine: never retried (it may be running).
+                self.ended(ep.replica, prefill, claim, computed=False)
+                kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+                if kind == "disconnect" and self._busy(ep):
+                    raise Busy(ep.replica) from None
+                self.failed(route, ep, kind)
+                raise upstream_failed(route.name, type(exc).__name__) from None
+            except BaseException:  # cancelled: the count must not leak
+                self.ended(ep.replica, prefill, claim)
+                raise
+            else:
+                try:
+                    unreached = await _proxy_unreached(resp)
+                except BaseException:
+                    resp.release()
+                    self.ended(ep.replica, prefill, claim)
+                    raise
+                if resp.status != 503 and unreached is None:
+                    load.succeeded(ep.replica)
+                    self._windows.succeeded(ep.replica)
+                    return Attempt(ep, resp, prefill, claim)
+                resp.release()
+                self.ended(ep.replica, prefill, claim, computed=False)
+                why = unreached or "the replica answered 503"
+                kind = "connect" if unreached else "status"
+            busy = self._busy(ep)
+            if not busy:
+                self.failed(route, ep, kind)
+            others = self.candidates(route, exclude=tried)
+            if len(tried) > 1 or not others or not self.budget.withdraw():
+                if busy:
+                    raise Busy(ep.replica)
+                raise upstream_failed(route.name, why)
+            self._metrics.inc(self._metrics.retries, route.name)
+            ep = min(
+                others,
+                key=lambda e: (load.failures(e.replica), load.load(e.replica), e.replica),
+            )
+            prefill = float(prompt_tokens)
+
+    def _busy(self, ep: Endpoint) -> bool:
+        """Whether ``ep`` failing reads as busy (alive and loaded); if so, its admission
+        limit is halved here."""
+        replica = ep.replica
+        if not (
+            self._load.alive(replica) and self._windows.loaded(replica, self._load.load(replica))
+        ):
+            return False
+        limit = self._windows.busy(replica)
+        self._metrics.inc(self._metrics.busy, replica)
+        log.info("gateway_replica_busy", replica=replica, limit=limit)
+        return True
+
+    def computed(self, replica: str, prefill: float, claim: Claim | None) -> None:
+        """The first token came: the prefill queues no one, its blocks are on their way."""
+        self._load.prefilled(replica, prefill)
+        if claim is not None:
+            self._computing.record(*claim, replica, now=self._clock())
+
+    def ended(
+        self, replica: str, prefill: float, claim: Claim | None, *, computed: bool = True
+    ) -> None:
+        """The request ended (answered, failed or cancelled); what of it was not yet
+        counted off at a first token is now. A request that failed (``computed`` False)
+        leaves no claim: the replica most likely holds none of it."""
+        self._load.finished(replica, prefill)
+        if claim is None:
+            return
+        if computed:
+            self._computing.record(*claim, replica, now=self._clock())
+        else:
+            self._computing.drop(*claim, replica)
+
+    def failed(self, route: ModelRoute, ep: Endpoint, kind: str) -> None:
+        """Count a failure of ``ep`` (``kind``: connect, timeout, disconnect, status,
+        midstream) in the metrics and its passive health."""
+        self._metrics.inc(self._metrics.upstream_errors, route.name, ep.replica, kind)
+        if self._load.failed(ep.replica):
+            self._metrics.inc(self._metrics.ejections, ep.replica)
+
+
+async def _proxy_unreached(resp: aiohttp.ClientResponse) -> str | None:
+    """Why the answer says the request never reached an engine (``_PROXY_UNREACHED``), or
+    None: it did."""
+    code = _PROXY_UNREACHED.get(resp.status)
+    if code is None:
+        return None
+    try:
+        body = json.loads(await read_capped(resp, _PROXY_ERROR_MAX_BYTES) or b"")
+    except (ValueError, aiohttp.ClientError, TimeoutError):
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("code") == code:
+        return f"the agent's proxy answered {resp.status} ({code})"
+    return None

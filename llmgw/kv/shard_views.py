@@ -1,0 +1,222 @@
+"""The shards' KV views: agents' KV delta requests applied to this process's in-memory prefix index.
+
+Each control plane instance keeps its own ``PrefixIndex`` and rebuilds it from agents after a
+restart (docs/architecture.md §5): there is no database on this path. Per shard it remembers only which
+node fed it, the version it holds and whether that version is complete; everything else is in
+the index.
+
+Answers (``KvResult``):
+
+- ``retry``: the shard is not placed (yet) as far as this instance knows, or it is placed on
+  another node (a node reports only on its own shards; a report about someone else's is counted
+  and ignored), or the engine hashes with another block size than the profile routes with.
+- ``need_full``: the request is a delta whose base is not the version held (this instance
+  restarted, a request was lost, or the agent reloaded its mirror): the agent sends a reset.
+- ``ack``: applied.
+
+``TokenBucket`` is behind "an instance may answer 429 + Retry-After to a full copy": after
+an instance restart every agent sends resets at once, and admitting them all would stall the
+router's event loop. Sync's reads of node ids it does not hold are rationed by one too. Pure: the HTTP shell passes ``now`` in, does the I/O and
+maps ``KvStreamError`` to 400. This module must NOT do I/O, read clocks or import the node agent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from llmgw.kv import PrefixIndex
+from llmgw.logs import get_logger
+from llmgw.protocol.kvstream import KvDeltaRequest, KvResult
+
+__all__ = ["PlacedShard", "ShardKvView", "ShardViews", "TokenBucket"]
+
+_log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedShard:
+    """Where the control plane placed a shard, as the intake needs it.
+
+    ``block_size`` is the profile's ``kv_hash.block_size``; None skips the check (a profile
+    without precise routing).
+    """
+
+    node_id: str
+    model: str
+    block_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardKvView:
+    """What this instance holds for one shard, for debugging: every block, per medium."""
+
+    shard_id: str
+    model: str
+    version: int
+    complete: bool
+    partial: bool
+    blocks: dict[str, list[int]]  # medium -> sorted uint64 hashes
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(h) for h in self.blocks.values())
+
+
+@dataclass(slots=True)
+class _Held:
+    node_id: str
+    model: str
+    version: int
+    complete: bool
+
+
+class ShardViews:
+    """The agent-facing side of one instance's ``PrefixIndex``."""
+
+    def __init__(self, index: PrefixIndex | None = None) -> None:
+        self.index = index if index is not None else PrefixIndex()
+        self._held: dict[str, _Held] = {}
+        # Why requests were not applied, and how many were: "unknown_shard", "foreign_node",
+        # "block_size", "base_unknown", and applied kinds "delta", "reset". Exported as metrics
+        # by the shell.
+        self.counts: Counter[str] = Counter()
+
+    def version(self, shard_id: str) -> int | None:
+        """The version this instance holds for the shard (None: nothing)."""
+        held = self._held.get(shard_id)
+        return None if held is None else held.version
+
+    def is_complete(self, shard_id: str) -> bool:
+        held = self._held.get(shard_id)
+        return held is not None and held.complete
+
+    def not_whole(self) -> dict[str, str]:
+        """Shard -> why the router cannot trust its view whole: "partial" (the agent said it
+        lost events) or "incomplete" (no full copy here yet). For the console's "needs
+        attention"; one pass over the shards held, not over their blocks."""
+        out = {}
+        for shard_id, held in self._held.items():
+            if self.index.is_partial(shard_id):
+                out[shard_id] = "partial"
+            elif not held.complete:
+                out[shard_id] = "incomplete"
+        return out
+
+    def view(self, shard_id: str) -> ShardKvView | None:
+        """Everything held for the shard (None: nothing). Walks the model's whole table, so it
+        is for the debug endpoint and tests, never for a request path."""
+        held = self._held.get(shard_id)
+        if held is None:
+            return None
+        return ShardKvView(
+            shard_id=shard_id,
+            model=held.model,
+            version=held.version,
+            complete=held.complete,
+            partial=self.index.is_partial(shard_id),
+            blocks=self.index.blocks(shard_id),
+        )
+
+    def apply(
+        self, node_id: str, request: KvDeltaRequest, placed: Mapping[str, PlacedShard]
+    ) -> KvResult:
+        """Apply one request from ``node_id`` (authenticated by the shell) or say why not."""
+        shard = request.shard_id
+        where = placed.get(shard)
+        if where is None:
+            self.counts["unknown_shard"] += 1
+            return "retry"
+        if where.node_id != node_id:
+            self.counts["foreign_node"] += 1
+            _log.warning(
+                "kv_delta_foreign_shard", node=node_id, shard=shard, placed_on=where.node_id
+            )
+            return "retry"
+        if (
+            where.block_size is not None
+            and request.block_size
+            and request.block_size != where.block_size
+        ):
+            # The router hashes prompts with the profile's block size: a view hashed with
+            # another can only produce false misses, and indexing it would hide the fault.
+            self.counts["block_size"] += 1
+            self.drop(shard)
+            _log.warning(
+                "kv_delta_block_size_mismatch",
+                node=node_id,
+                shard=shard,
+                engine_block_size=request.block_size,
+                profile_block_size=where.block_size,
+            )
+            return "retry"
+        held = self._held.get(shard)
+        if held is not None and (held.node_id != node_id or held.model != where.model):
+            # The shard moved (or its model changed): what we hold describes another engine.
+            self.drop(shard)
+            held = None
+        partial = request.partial or not request.complete
+        if request.reset:
+            blocks = {m: h for m, h in request.added.items() if len(h)}
+            self.index.apply_snapshot(where.model, shard, blocks, partial=partial)
+            self._held[shard] = _Held(node_id, where.model, request.new_version, request.complete)
+            self.counts["reset"] += 1
+            return "ack"
+        if held is None or held.version != request.base_version:
+            self.counts["base_unknown"] += 1
+            return "need_full"
+        for medium in {*request.added, *request.removed}:
+            self.index.apply_delta(
+                where.model,
+                shard,
+                request.added.get(medium, ()),
+                request.removed.get(medium, ()),
+                medium=medium,
+            )
+        self.index.apply_delta(where.model, shard, partial=partial)
+        held.version = request.new_version
+        held.complete = request.complete
+        self.counts["delta"] += 1
+        return "ack"
+
+    def drop(self, shard_id: str) -> None:
+        """Forget a shard (stopped, moved, its node gone)."""
+        self._held.pop(shard_id, None)
+        self.index.drop_shard(shard_id)
+
+    def forget_unplaced(self, placed: Mapping[str, PlacedShard]) -> list[str]:
+        """Drop every held shard no longer placed where its feeder is; returns their ids."""
+        gone = [
+            shard
+            for shard, held in self._held.items()
+            if (where := placed.get(shard)) is None
+            or where.node_id != held.node_id
+            or where.model != held.model
+        ]
+        for shard in gone:
+            self.drop(shard)
+        return gone
+
+
+class TokenBucket:
+    """``rate_per_s`` admissions sustained, ``burst`` at once (full copies, unknown-node
+    lookups)."""
+
+    def __init__(self, *, rate_per_s: float = 200.0, burst: int = 400) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError("a token bucket needs rate_per_s > 0 and burst >= 1")
+        self.rate_per_s = rate_per_s
+        self.burst = float(burst)
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def admit(self, now: float) -> float | None:
+        """None to admit one now, else the seconds to send as Retry-After."""
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate_per_s)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return None
+        return (1.0 - self._tokens) / self.rate_per_s
