@@ -37,7 +37,7 @@ from typing import Literal
 
 from llmgw.config import GatewaySettings
 from llmgw.gateway.load import LoadTracker
-from llmgw.gateway.routing.router import Candidate, decide, token_home_key
+from llmgw.gateway.routing.router import Candidate, Inputs, Rule, decide, token_home_key
 from llmgw.kv import scorable_blocks
 from llmgw.kv.hashing import BlockHash
 from llmgw.simengine.scheduler import RequestSpec, Scheduler, SchedulerConfig
@@ -180,14 +180,13 @@ class _Router:
         s = self.settings
         d = decide(
             [Candidate(r, r, gw.load.load(r), gw.load.work(r)) for r in shares],
-            policy="precise",
-            precise=shares,
-            load_slack=s.load_slack,
-            prompt_tokens=len(a.prompt),
-            recompute_weight=s.recompute_weight,
-            affinity_tokens=s.affinity_tokens,
-            home=token_home_key(a.prompt, self.block_size, shares.values()),
-            rotation=i,
+            Rule("precise", s.load_slack, s.recompute_weight, s.affinity_tokens),
+            Inputs(
+                precise=shares,
+                prompt_tokens=len(a.prompt),
+                home=token_home_key(a.prompt, self.block_size, shares.values()),
+                rotation=i,
+            ),
         )
         k = int(d.replica.rsplit("-", 1)[1])
         prefill = (1.0 - shares[d.replica]) * len(a.prompt)

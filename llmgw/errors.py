@@ -1,13 +1,30 @@
-"""The errors llmgw raises on purpose, as one small tree.
+"""The errors llmgw raises on purpose, as one tree: each type carries its HTTP status and code.
 
-    LlmgwError                 code "llmgw-error"
-     ├── ConfigError           code "config-invalid"     a setting has a value that cannot work
-     ├── SpecError             code "spec-invalid"       a profile, shard spec or request body breaks a rule
-     ├── PlacementError        code "placement-failed"   no node can take a replica (carries per-node reasons)
-     ├── ConflictError         code "conflict"           a unique name is taken, or a version is stale
-     ├── NotFoundError         code "not-found"          the named object does not exist
-     ├── AuthError             code "unauthorized"       a token or key is missing or wrong
-     └── EngineStartError      code "engine-start-failed" an engine process could not be started
+    LlmgwError                          500  llmgw-error
+     ├── ConfigError                    500  config-invalid          a setting has a value that cannot work
+     ├── SpecError                      422  spec-invalid            a field breaks a rule; ``field`` names it
+     │    ├── MalformedJsonError        400  malformed-json          the body is not JSON (or not UTF-8)
+     │    ├── BodyTooLargeError         413  body-too-large          the body is larger than the listener's cap
+     │    └── UnsupportedMediaTypeError 415  unsupported-media-type  the body is not sent as application/json
+     ├── PlacementError                 422  placement-failed        no node can take a replica (per-node reasons)
+     ├── ConflictError                  409  conflict                a name is taken, an object in use, a version stale
+     ├── NotFoundError                  404  not-found               no such object, or no such path
+     ├── AuthError                      401  unauthorized            a token, key or credential is missing or wrong
+     ├── MethodNotAllowedError          405  method-not-allowed      the path exists; ``Allow`` lists its methods
+     ├── ProtocolVersionError           426  protocol-version        an agent speaks another protocol version
+     ├── TooManyRequestsError           429  too-many-requests       refused for now; ``retry_after_s`` says how long
+     ├── DatabaseUnavailableError       503  database-unavailable    the state store is unreachable; retry
+     ├── InternalError                  500  internal                a bug: the message carries the request id
+     └── EngineStartError               500  engine-start-failed     an engine process could not be started
+
+``code`` is what clients branch on, one per kind of error whatever layer produced it;
+``status_of`` is the one place an error becomes an HTTP status. A subclass that states no
+status or code of its own answers as its nearest ancestor (``FencedError(ConflictError)`` is
+a 409 "conflict"). The wire shapes are rendered elsewhere, each from these two: the admin
+API's ``{"error": {"code", "message", "field"}}`` (``llmgw.http.errors``), the agent API's
+``ProtocolErrorBody`` (``llmgw.controlplane.agentapi.errors``). OpenAI's shape keeps its own
+contract (``llmgw.gateway.errors``): there a body that breaks a rule is a 400 and the codes
+are OpenAI's, which the official client maps to its exception classes.
 
 Callers catch at the level they mean: "is this the user's fault?" is
 ``isinstance(err, SpecError)``. Every message names the object, the bad value,
@@ -20,19 +37,30 @@ package (the pure ones included) may use it.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import ClassVar, Final
 
 __all__ = [
+    "CODES",
     "MAX_ECHO_CHARS",
     "AuthError",
+    "BodyTooLargeError",
     "ConfigError",
     "ConflictError",
+    "DatabaseUnavailableError",
     "EngineStartError",
+    "InternalError",
     "LlmgwError",
+    "MalformedJsonError",
+    "MethodNotAllowedError",
     "NotFoundError",
     "PlacementError",
+    "ProtocolVersionError",
     "SpecError",
+    "TooManyRequestsError",
+    "UnsupportedMediaTypeError",
     "clip",
+    "status_of",
 ]
 
 # Enough to recognise any name a person typed (model names rarely pass 100 characters),
@@ -51,7 +79,9 @@ def clip(text: str) -> str:
 class LlmgwError(Exception):
     """Base of every error llmgw raises deliberately."""
 
-    code = "llmgw-error"
+    # Class attributes only: an error's kind, not its instance, decides how it answers.
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "llmgw-error"
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
@@ -60,15 +90,38 @@ class LlmgwError(Exception):
         self.field = field
 
 
+def status_of(exc: BaseException) -> int:
+    """The HTTP status ``exc`` answers with: its class's, inherited along the MRO; 500 for an
+    exception outside the tree (a bug)."""
+    return exc.status if isinstance(exc, LlmgwError) else 500
+
+
 class ConfigError(LlmgwError):
     code = "config-invalid"
 
 
 class SpecError(LlmgwError):
+    status = 422
     code = "spec-invalid"
 
 
+class MalformedJsonError(SpecError):
+    status = 400
+    code = "malformed-json"
+
+
+class BodyTooLargeError(SpecError):
+    status = 413
+    code = "body-too-large"
+
+
+class UnsupportedMediaTypeError(SpecError):
+    status = 415
+    code = "unsupported-media-type"
+
+
 class PlacementError(LlmgwError):
+    status = 422
     code = "placement-failed"
 
     def __init__(
@@ -80,16 +133,71 @@ class PlacementError(LlmgwError):
 
 
 class ConflictError(LlmgwError):
+    status = 409
     code = "conflict"
 
 
 class NotFoundError(LlmgwError):
+    status = 404
     code = "not-found"
 
 
 class AuthError(LlmgwError):
+    status = 401
     code = "unauthorized"
+
+
+class MethodNotAllowedError(LlmgwError):
+    status = 405
+    code = "method-not-allowed"
+
+
+class ProtocolVersionError(LlmgwError):
+    status = 426
+    code = "protocol-version"
+
+
+class TooManyRequestsError(LlmgwError):
+    status = 429
+    code = "too-many-requests"
+
+    def __init__(self, message: str, *, retry_after_s: float, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        # How long the client should wait before sending again; a wire may send it as a header.
+        self.retry_after_s = retry_after_s
+
+
+class DatabaseUnavailableError(LlmgwError):
+    status = 503
+    code = "database-unavailable"
+
+
+class InternalError(LlmgwError):
+    code = "internal"
 
 
 class EngineStartError(LlmgwError):
     code = "engine-start-failed"
+
+
+# Every code a client of llmgw's HTTP APIs can meet, and its status: the one table, read off
+# the tree (the codes of errors that never leave a process, KVError's among them, are not here).
+CODES: Final[Mapping[str, int]] = {
+    cls.code: cls.status
+    for cls in (
+        MalformedJsonError,
+        AuthError,
+        NotFoundError,
+        MethodNotAllowedError,
+        ConflictError,
+        BodyTooLargeError,
+        UnsupportedMediaTypeError,
+        SpecError,
+        PlacementError,
+        ProtocolVersionError,
+        TooManyRequestsError,
+        InternalError,
+        ConfigError,
+        DatabaseUnavailableError,
+    )
+}

@@ -334,8 +334,9 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
         lg.handlers[:] = []
         lg.propagate = True
     # The access log repeats what our request middleware logs with a request id; httpx logs
-    # every control request and alembic every plugin it loads, which buries what matters.
-    for noisy in ("uvicorn.access", "httpx", "httpcore", "alembic"):
+    # every control request and alembic every plugin it loads, which buries what matters;
+    # APScheduler two lines per run of every periodic job (its warnings still show).
+    for noisy in ("uvicorn.access", "httpx", "httpcore", "alembic", "apscheduler"):
         logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
 
 

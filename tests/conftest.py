@@ -25,11 +25,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _pytest.mark.expression import Expression  # pytest's own -m parser
 from hypothesis import HealthCheck, settings
-from pg_harness import PgServer, migrated_template, pg_server_session
-from support.llama_build import UNBUILT_ENV, build_llama_server
 
 from llmgw.embedded_postgres import throwaway_parent
+from tests.pg_harness import PgServer, migrated_template, pg_server_session
+from tests.support.llama_build import UNBUILT_ENV, build_llama_server
+
+# The `e2e` mark enforced on every test that starts a process (see that module's docstring).
+pytest_plugins = ["tests.support.e2e_guard"]
 
 settings.register_profile("dev", deadline=None)
 settings.register_profile(
@@ -61,6 +65,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _reaches(arg, _REAL_ENGINES) for arg in config.args
     ):
         return
+    if not may_run_real_engines(config):
+        return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     binary, why_not = build_llama_server(
         reporter.write_line if reporter is not None else (lambda _line: None)
@@ -69,6 +75,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["LLMGW_LLAMA_SERVER"] = binary
     else:
         os.environ[UNBUILT_ENV] = why_not
+
+
+def may_run_real_engines(config: pytest.Config) -> bool:
+    """False when this run can run no real-engine test whatever it collects: --collect-only,
+    or a -m that a test marked `real_engine` and `e2e` does not match (the fast tier's
+    ``-m "not e2e and not real_engine"``), so that neither builds llama-server for nothing."""
+    if config.option.collectonly:
+        return False
+    markexpr = config.option.markexpr
+    if not markexpr:
+        return True
+    marks = {"real_engine", "e2e"}
+    return Expression.compile(markexpr).evaluate(lambda name, **_kw: name in marks)
 
 
 def _reaches(arg: str, folder: Path) -> bool:

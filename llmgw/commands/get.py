@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llmgw.commands import tables
 from llmgw.commands._admin_client import (
     DataDirOption,
     TokenOption,
@@ -156,14 +157,8 @@ _FILTERED_BY_NAME = {"actions": "deployment"}
 
 def render_table(kind: str, items: Sequence[dict[str, Any]]) -> str:
     columns = _TABLES[kind]
-    rows = [[str(h) for h, _ in columns]]
-    rows += [
-        ["-" if (v := read(item)) is None else str(v) for _, read in columns] for item in items
-    ]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(columns))]
-    return "\n".join(
-        "   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
+    return tables.render_table(
+        [h for h, _ in columns], [[read(i) for _, read in columns] for i in items]
     )
 
 

@@ -28,6 +28,7 @@ from llmgw.commands._admin_client import (
     resolve_connection,
 )
 from llmgw.commands._common import exit_on_error
+from llmgw.commands.tables import render_table
 from llmgw.controlplane.console.fleet_view import prefix_hit_rates, rollout_text
 from llmgw.errors import LlmgwError
 
@@ -189,14 +190,6 @@ def _age(ts: Any) -> str:
     return f"{max(seconds, 0):.0f}s ago"
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers] + [["-" if v is None or v == "" else str(v) for v in r] for r in rows]
-    widths = [max(len(r[c]) for r in cells) for c in range(len(headers))]
-    return "\n".join(
-        "   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
-    )
-
-
 def _short(text: Any, width: int) -> str:
     s = "" if text is None else str(text)
     return s if len(s) <= width else s[: width - 1] + "…"
@@ -206,7 +199,7 @@ def render(data: dict[str, Any]) -> str:
     """The one screen for a person."""
     parts = [f"NODES ({len(data['nodes'])})"]
     parts.append(
-        _table(
+        render_table(
             ["NAME", "APPROVAL", "POOL", "GPUS FREE/ALL", "SHARDS", "STATE", "LAST SYNC"],
             [
                 [
@@ -224,7 +217,7 @@ def render(data: dict[str, Any]) -> str:
     )
     parts.append(f"\nDEPLOYMENTS ({len(data['deployments'])})")
     parts.append(
-        _table(
+        render_table(
             ["NAME", "MODEL", "DESIRED", "READY", "UPDATED", "ROLLOUT", "REASON"],
             [
                 [
@@ -242,7 +235,7 @@ def render(data: dict[str, Any]) -> str:
     )
     parts.append(f"\nSHARDS ({len(data['shards'])})")
     parts.append(
-        _table(
+        render_table(
             ["DEPLOYMENT", "REPLICA", "RANK", "NODE", "GPUS", "STATE", "RESTARTS", "REASON"],
             [
                 [
@@ -269,7 +262,7 @@ def render(data: dict[str, Any]) -> str:
         held = {m["model"]: m.get("held", 0) for m in demand or []}
         parts.append(f"\nAUTOSCALING ({len(scaled)})")
         parts.append(
-            _table(
+            render_table(
                 ["NAME", "MIN..MAX", "DESIRED", "READY", "SUSPENDED", "HELD", "LAST", "REASON"],
                 [
                     [
@@ -291,7 +284,7 @@ def render(data: dict[str, Any]) -> str:
     if demand:
         parts.append("\nGATEWAY DEMAND (every gateway reporting)")
         parts.append(
-            _table(
+            render_table(
                 [
                     "MODEL",
                     "STATE",
@@ -327,7 +320,7 @@ def render(data: dict[str, Any]) -> str:
         parts.append("no requests routed yet")
     else:
         parts.append(
-            _table(
+            render_table(
                 ["MODEL", "DECISIONS", "PREFIX HITS", "HIT RATE", "PRECISE", "TOKENIZING"],
                 [
                     [

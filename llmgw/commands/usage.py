@@ -16,6 +16,7 @@ from llmgw.commands._admin_client import (
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.commands.keys import parse_time
+from llmgw.commands.tables import render_table
 
 __all__ = ["render_usage", "usage"]
 
@@ -43,18 +44,11 @@ _COUNTS = (
 
 def render_usage(items: list[dict[str, Any]], *, with_start: bool) -> str:
     head = ["KEY", "MODEL"] + (["START"] if with_start else []) + [h for h, _ in _COUNTS]
-    rows = [head]
-    for i in items:
-        rows.append(
-            [str(i["key"]), str(i["model"])]
-            + ([str(i["start"])] if with_start else [])
-            + [str(i[f]) for _, f in _COUNTS]
-        )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-    return "\n".join(
-        "   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
+    rows = [
+        [i["key"], i["model"]] + ([i["start"]] if with_start else []) + [i[f] for _, f in _COUNTS]
+        for i in items
+    ]
+    return render_table(head, rows)
 
 
 @exit_on_error

@@ -1,15 +1,19 @@
-"""The control plane (`llmgw controlplane`): one process serving two listeners.
+"""The control plane: the fleet's brain, served on the internal listener.
 
 What it holds::
 
-    store            the tables, the database, migrations and every query
-    planner          the reconciler's pure core: placement and the plan
-    reconcile        the reconciler's shell: the leader's lock and the loop applying the plan
-    admin            the admin API's routers (assembled by admin_api.py; bodies in schemas.py)
-    agentapi         the agent API: registration, sync and KV-delta intake
-    gateway          the OpenAI gateway: keys, limits, routing, the upstream relay
-    http             ASGI pieces both listeners share: errors, request log, admin auth, body caps
-    internal_app.py  the internal listener's app: health, readiness, admin and agent APIs
-    public_app.py    the public listener's app: the gateway, wired
-    server.py        both listeners' uvicorn servers on one loop, with one shutdown
+    internal_app.py  the internal listener's app: health, readiness, docs, admin and agent APIs,
+                     the web console
+    admin            the admin API: one router per resource (mounted by admin/api.py; request
+                     and response bodies in admin/schemas.py)
+    agentapi         the agent API: registration, sync, heartbeats and KV-delta intake
+    console          the operator's web console at /ui
+    reconcile        the reconciler's shell: the leader's lock and epoch, the loop, its snapshot
+                     read and its plan's writes (the pure planner is ``llmgw.planner``)
+    instances.py     this process's row among the live control plane instances
+    profile_checks   pure: what a profile must pass before it is stored
+
+It never imports ``llmgw.gateway`` (the public OpenAI listener): both sit on ``llmgw.store``,
+``llmgw.kv``, ``llmgw.http`` and ``llmgw.config``, and ``llmgw.serve`` builds the process from
+the two (docs/packages.md).
 """

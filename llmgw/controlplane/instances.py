@@ -13,7 +13,6 @@ queries for it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import socket
@@ -21,8 +20,8 @@ from collections.abc import Sequence
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
+from llmgw.periodic import Periodic
 from llmgw.protocol.sync import ControlPlaneInstance
 from llmgw.store.instances import (
     InstanceIdentity,
@@ -65,7 +64,12 @@ class InstanceHeartbeat:
         self.live: tuple[ControlPlaneInstance, ...] = (
             ControlPlaneInstance(id=identity.id, internal_url=identity.internal_url),
         )
-        self._task: asyncio.Task[None] | None = None
+        self._beats = Periodic(
+            self.beat,
+            name="controlplane-instance-heartbeat",
+            interval_s=period_s,
+            on_error=self._beat_failed,
+        )
 
     async def beat(self) -> Sequence[ControlPlaneInstance]:
         async with self.sessions() as session, session.begin():
@@ -79,22 +83,17 @@ class InstanceHeartbeat:
     async def start(self) -> None:
         try:
             await self.beat()
-        except Exception as exc:  # the database may be down at start: the loop retries
-            log.warning("instance_heartbeat_failed", instance=self.identity.id, error=repr(exc))
-        self._task = asyncio.create_task(self._run(), name="controlplane-instance-heartbeat")
+        except Exception as exc:  # the database may be down at start: the timer retries
+            self._beat_failed(exc, 1)
+        self._beats.start()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.period_s)
-            try:
-                await self.beat()
-            except Exception as exc:  # the database may be down: keep the last list, retry
-                log.warning("instance_heartbeat_failed", instance=self.identity.id, error=repr(exc))
+    def _beat_failed(self, exc: Exception, _failures: int) -> None:
+        # The database may be down: keep the last list, beat again next period.
+        log.warning("instance_heartbeat_failed", instance=self.identity.id, error=repr(exc))
 
     async def stop(self) -> None:
         """Stop beating and remove the row, so agents stop feeding this process at once."""
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._beats.stop()
         try:
             async with self.sessions() as session, session.begin():
                 await remove_instance(session, self.identity.id)

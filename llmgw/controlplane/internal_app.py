@@ -1,10 +1,8 @@
 """The control plane's internal HTTP application: health, readiness, docs and the admin API.
 
-Errors leave as ``{"error": {"code", "message", "field"}}`` with a code from
-the table in ``llmgw.http.errors``; ``_STATUS`` maps
-``llmgw.errors`` types to HTTP status. Database constraint violations that
-slip past the API's own checks (a race, a direct SQL write) become 409/422
-naming the constraint instead of a 500.
+Errors leave as ``{"error": {"code", "message", "field"}}``, each with the status and
+code of its type in ``llmgw.errors``; the handlers, database errors' among them, are
+``llmgw.controlplane.admin.errors``.
 
 Outermost first, every request passes ``RequestLog`` (request id, access line,
 a 500 for anything unhandled), ``AdminAuth`` (the token, from the headers,
@@ -22,236 +20,61 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-import structlog
-from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy import text
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
-from sqlalchemy.orm.exc import StaleDataError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from llmgw.config import ControlPlaneSettings, ReconcileSettings
 from llmgw.controlplane.admin.api import admin_router
+from llmgw.controlplane.admin.errors import install_error_handlers, internal_error_body
 from llmgw.controlplane.agentapi.endpoints import install_agent_api
 from llmgw.controlplane.console import install_console
 from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
 from llmgw.controlplane.reconcile.loop import ReconcileMetrics, Reconciler
 from llmgw.embedded_postgres import libpq_url
-from llmgw.errors import (
-    AuthError,
-    ConfigError,
-    ConflictError,
-    LlmgwError,
-    NotFoundError,
-    PlacementError,
-    SpecError,
-    clip,
-)
+from llmgw.errors import ConfigError
 from llmgw.http.admin_auth import AdminAuth
 from llmgw.http.body_guard import BodyGuard
-from llmgw.http.errors import code_for_status, error_body, error_response
 from llmgw.http.request_log import RequestLog
 from llmgw.kv.shard_views import ShardViews
 from llmgw.planner.snapshot import PlanSettings
 from llmgw.store import migrations
 from llmgw.store.database import create_engine, session_factory
+from llmgw.store.notify import NotifyHub
 
-__all__ = ["create_app"]
-
-log = structlog.get_logger("llmgw.controlplane")
-
-_STATUS: dict[type[LlmgwError], int] = {
-    AuthError: 401,
-    NotFoundError: 404,
-    ConflictError: 409,
-    SpecError: 422,
-    PlacementError: 422,
-    ConfigError: 500,
-}
-
-# Constraint name -> (status, field, what it means). Anything unlisted is still a 409/422.
-_CONSTRAINTS: dict[str, tuple[int, str, str]] = {
-    "uq_models_name": (409, "name", "a model with this name already exists"),
-    "uq_profiles_name": (409, "name", "a profile with this name already exists"),
-    "uq_deployments_name": (409, "name", "a deployment with this name already exists"),
-    "pk_gpu_classes": (409, "name", "a GPU class with this name already exists"),
-    "fk_profiles_model_id_models": (409, "model", "the model is still used by profiles"),
-    "fk_deployments_profile_id_profiles": (409, "profile", "the profile is used by a deployment"),
-    "fk_deployments_model_id_models": (409, "model", "the model is used by a deployment"),
-}
+__all__ = [
+    "ControlPlaneParts",
+    "advertise_url",
+    "build_reconciler",
+    "check_settings",
+    "create_app",
+    "plan_settings",
+]
 
 
-def _error(
-    status: int,
-    code: str,
-    message: str,
-    field: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
-    return error_response(status, code, message, field, headers)
+@dataclass(frozen=True, slots=True)
+class ControlPlaneParts:
+    """What the internal app shares with the rest of its process, built once by the process's
+    composition root (``llmgw.serve.process``): the gateway on the public listener reads the
+    same database, registry and KV views, and reports demand under the same instance id."""
+
+    engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    registry: CollectorRegistry
+    instance: InstanceIdentity
+    # This process's prefix index, fed by agents' KV deltas; the gateway's router reads it.
+    kv: ShardViews
+    reconciler: Reconciler | None
 
 
-def _status_of(exc: LlmgwError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in _STATUS:
-            return _STATUS[cls]
-    return 500
-
-
-async def _on_llmgw_error(_request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, LlmgwError)
-    return _error(_status_of(exc), exc.code, exc.message, exc.field)
-
-
-async def _on_validation_error(_request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
-    # Where the value came from is not part of its name: "limit", not "query.limit".
-    loc = [str(p) for p in first.get("loc", ())][1:] if first.get("loc") else []
-    field = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx") or {}
-        return _error(
-            400, "malformed-json", f"the body is not valid JSON: {ctx.get('error', first['msg'])}"
-        )
-    if first.get("type") == "string_unicode":
-        # JSON's "\ud800" escape parses, but the string cannot be stored (nor printed as UTF-8).
-        message = (
-            f"{clip(field or 'body')}: must be valid Unicode; it holds a lone surrogate (a \\ud800-"
-            "\\udfff escape without its pair): send the character itself or its full pair"
-        )
-    elif first.get("type") == "extra_forbidden":
-        message = (
-            f"unknown field {clip(field or '')!r}; check its spelling against the API's schema "
-            "(GET /openapi.json)"
-        )
-    else:
-        message = f"{clip(field or 'body')}: {first['msg']}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem(s))"
-    return _error(422, "spec-invalid", message, field)
-
-
-async def _on_integrity_error(_request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, IntegrityError)
-    diag = getattr(exc.orig, "diag", None)
-    name = getattr(diag, "constraint_name", None) or ""
-    sqlstate = getattr(exc.orig, "sqlstate", None) or ""
-    if name in _CONSTRAINTS:
-        status, field, meaning = _CONSTRAINTS[name]
-        return _error(status, "conflict" if status == 409 else "spec-invalid", meaning, field)
-    if sqlstate == "23514":  # check_violation
-        return _error(422, "spec-invalid", f"the database refused the value (rule {name})", None)
-    return _error(
-        409, "conflict", f"the change conflicts with stored state (constraint {name or sqlstate})"
-    )
-
-
-_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
-
-
-def _allowed_methods(request: Request) -> str:
-    """Every method some route serves at this path. Probed through the routes' public
-    ``matches``: the router's own 405 names only the first partially matching route's."""
-    allowed = [
-        method
-        for method in _METHODS
-        if any(
-            route.matches({**request.scope, "method": method})[0] == Match.FULL
-            for route in request.app.router.routes
-        )
-    ]
-    return ", ".join(allowed)
-
-
-async def _on_http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    headers = dict(exc.headers or {})
-    message = str(exc.detail)
-    if exc.status_code == 405:
-        headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
-        message = (
-            f"{request.method} is not allowed on {clip(request.url.path)}; allowed: "
-            f"{headers['Allow']}"
-        )
-    elif exc.status_code == 404:
-        message = (
-            f"no such path: {clip(request.method)} {clip(request.url.path)} (the API is under "
-            "/admin/v1; see /docs)"
-        )
-    return _error(exc.status_code, code_for_status(exc.status_code), message, None, headers)
-
-
-async def _on_data_error(_request: Request, exc: Exception) -> Response:
-    # SQLSTATE class 22: a value the column cannot hold that slipped past the schema's bounds.
-    # Postgres' own message can quote the value (a secret reference among them): name the
-    # column and the SQLSTATE only.
-    orig = getattr(exc, "orig", None)
-    column = getattr(getattr(orig, "diag", None), "column_name", None)
-    sqlstate = getattr(orig, "sqlstate", None) or "22000"
-    return _error(
-        422,
-        "spec-invalid",
-        f"the database cannot store a value (SQLSTATE {sqlstate}); check the field's bounds "
-        "in GET /openapi.json",
-        column,
-    )
-
-
-async def _on_stale(_request: Request, _exc: Exception) -> Response:
-    return _error(
-        409,
-        "conflict",
-        "someone else changed this object while your update was applied; GET it again, "
-        "reapply your change and retry",
-        "version",
-    )
-
-
-# Deadlock and serialization failure: Postgres chose this transaction to abort so a concurrent
-# one could finish. Nothing was written; the same request succeeds when sent again.
-_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
-
-
-async def _on_db_unavailable(_request: Request, exc: Exception) -> Response:
-    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
-    if sqlstate in _RETRYABLE_SQLSTATES:
-        log.warning("database_conflict", sqlstate=sqlstate)
-        return _error(
-            409,
-            "conflict",
-            "the change raced with another writer (the reconciler, another admin) and was "
-            "rolled back; nothing was written: send it again",
-        )
-    log.error("database_error", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    return _error(503, "database-unavailable", "the state store is unreachable; retry shortly")
-
-
-def _internal_error(request_id: str) -> bytes:
-    return error_body(
-        "internal", f"internal error; report request id {request_id} with the server's log"
-    )
-
-
-def create_app(
-    settings: ControlPlaneSettings,
-    *,
-    instance_id: str | None = None,
-    kv_intake: ShardViews | None = None,
-) -> FastAPI:
-    """Build the internal app. The database URL and admin token must be set.
-
-    Its lifespan runs the reconcile loop (``controlplane.reconcile.enabled``), which
-    passes only while this process holds the leader lock. ``kv_intake`` holds this process's
-    prefix index, fed by agents' KV deltas; pass the one the gateway's router reads.
-    """
+def check_settings(settings: ControlPlaneSettings) -> None:
+    """ConfigError unless the database URL and the admin token are set."""
     if not settings.database_url:
         raise ConfigError(
             "controlplane.database_url is empty: set LLMGW_CONTROLPLANE__DATABASE_URL or "
@@ -264,28 +87,25 @@ def create_app(
             "python -c 'import secrets; print(secrets.token_urlsafe(32))')",
             field="controlplane.admin_token",
         )
-    engine = create_engine(
-        settings.database_url,
-        pool_size=settings.db_pool_size,
-        connect_timeout_s=settings.db_connect_timeout_s,
-    )
-    head = migrations.head_revision()
 
-    sessions = session_factory(engine)
-    metrics = CollectorRegistry()
-    instance = InstanceIdentity(instance_id or new_instance_id(), _advertise_url(settings))
-    reconciler = (
-        Reconciler(
-            sessions=sessions,
-            libpq_url=libpq_url(settings.database_url),
-            instance_id=instance.id,
-            plan_settings=_plan_settings(settings.reconcile),
-            tick_s=settings.reconcile.tick_s,
-            metrics=ReconcileMetrics.create(metrics),
-        )
-        if settings.reconcile.enabled
-        else None
-    )
+
+def create_app(
+    settings: ControlPlaneSettings, *, parts: ControlPlaneParts | None = None
+) -> FastAPI:
+    """Build the internal app. The database URL and admin token must be set.
+
+    Its lifespan runs the reconcile loop (``parts.reconciler``, None when
+    ``controlplane.reconcile.enabled`` is off), which passes only while this process holds
+    the leader lock. ``parts`` None (an app alone, in a test): the app builds its own and
+    disposes of its engine when it stops; given, their owner (``serve``) does.
+    """
+    check_settings(settings)
+    own = parts is None
+    if parts is None:
+        parts = _own_parts(settings)
+    engine, sessions, metrics = parts.engine, parts.sessions, parts.registry
+    instance, reconciler = parts.instance, parts.reconciler
+    head = migrations.head_revision()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -302,7 +122,8 @@ def create_app(
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
             await console.calls.aclose()
-            await engine.dispose()
+            if own:
+                await engine.dispose()
 
     app = FastAPIOffline(
         title="llmgw control plane",
@@ -312,17 +133,7 @@ def create_app(
     )
     app.state.admin_token = settings.admin_token
     app.state.sessions = sessions
-    app.state.instance_id = instance.id
-    app.state.metrics = metrics
-    app.state.reconciler = reconciler
-    app.add_exception_handler(LlmgwError, _on_llmgw_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(IntegrityError, _on_integrity_error)
-    app.add_exception_handler(DataError, _on_data_error)
-    app.add_exception_handler(StaleDataError, _on_stale)
-    # What is left of DBAPIError (OperationalError, InterfaceError): Postgres is unreachable.
-    app.add_exception_handler(DBAPIError, _on_db_unavailable)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    install_error_handlers(app)
 
     # add_middleware wraps outside what is already there: the last added runs first.
     app.add_middleware(
@@ -334,7 +145,7 @@ def create_app(
         skip_prefixes=("/agent/", "/ui/"),
     )
     app.add_middleware(AdminAuth, token=settings.admin_token, prefix="/admin")
-    app.add_middleware(RequestLog, listener="internal", internal_error=_internal_error)
+    app.add_middleware(RequestLog, listener="internal", internal_error=internal_error_body)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -369,7 +180,7 @@ def create_app(
 
     app.include_router(admin_router)
     # The web console at /ui: pages over the admin API, behind its own sign-in.
-    intake = kv_intake if kv_intake is not None else ShardViews()
+    intake = parts.kv
     console = install_console(app, admin_token=settings.admin_token, registry=metrics, kv=intake)
     # Registration, sync and KV deltas; starts and stops with the app (heartbeats, instances).
     install_agent_api(
@@ -383,7 +194,46 @@ def create_app(
     return app
 
 
-def _advertise_url(settings: ControlPlaneSettings) -> str:
+def _own_parts(settings: ControlPlaneSettings) -> ControlPlaneParts:
+    engine = create_engine(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        connect_timeout_s=settings.db_connect_timeout_s,
+    )
+    sessions = session_factory(engine)
+    registry = CollectorRegistry()
+    instance = InstanceIdentity(new_instance_id(), advertise_url(settings))
+    reconciler = build_reconciler(
+        settings, sessions=sessions, registry=registry, instance_id=instance.id, notify=None
+    )
+    return ControlPlaneParts(engine, sessions, registry, instance, ShardViews(), reconciler)
+
+
+def build_reconciler(
+    settings: ControlPlaneSettings,
+    *,
+    sessions: async_sessionmaker[AsyncSession],
+    registry: CollectorRegistry,
+    instance_id: str,
+    notify: NotifyHub | None,
+) -> Reconciler | None:
+    """The process's reconciler (None: ``controlplane.reconcile.enabled`` is off); its
+    NOTIFYs come through ``notify`` (None: a LISTEN connection of its own)."""
+    if not settings.reconcile.enabled:
+        return None
+    return Reconciler(
+        sessions=sessions,
+        libpq_url=libpq_url(settings.database_url),
+        instance_id=instance_id,
+        plan_settings=plan_settings(settings.reconcile),
+        tick_s=settings.reconcile.tick_s,
+        metrics=ReconcileMetrics.create(registry),
+        notify=notify,
+    )
+
+
+def advertise_url(settings: ControlPlaneSettings) -> str:
+    """Where agents reach this process's internal listener."""
     if settings.advertise_url:
         return settings.advertise_url.rstrip("/")
     host = settings.internal_host
@@ -395,7 +245,8 @@ def _advertise_url(settings: ControlPlaneSettings) -> str:
     return f"http://{host}:{settings.internal_port}"
 
 
-def _plan_settings(r: ReconcileSettings) -> PlanSettings:
+def plan_settings(r: ReconcileSettings) -> PlanSettings:
+    """The reconcile settings as the planner's rules (a config reload converts them alike)."""
     try:
         return PlanSettings(
             sync_period_s=r.sync_period_s,

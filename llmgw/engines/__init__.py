@@ -38,7 +38,7 @@ from llmgw.engines.config import (
     TRTLLMConfig,
     VLLMConfig,
 )
-from llmgw.engines.engine import Engine, HealthState, Readiness
+from llmgw.engines.engine import Engine, HealthState, LoadMetrics, Readiness
 from llmgw.engines.env import (
     BASE_ENV_NAMES,
     BASE_ENV_PREFIXES,
@@ -51,7 +51,13 @@ from llmgw.engines.env import (
 )
 from llmgw.engines.fingerprint import ProfileFingerprint, profile_fingerprint
 from llmgw.engines.flags import FLAG_SYNTAX, FlagSyntax, refused_flags
-from llmgw.engines.registry import ENGINE_NAMES, EngineRegistry, reference_engine
+from llmgw.engines.registry import (
+    ANY_ENGINE_LOAD_METRICS,
+    ENGINE_NAMES,
+    EngineRegistry,
+    engine_load_metrics,
+    reference_engine,
+)
 from llmgw.engines.requirements import (
     PlacementRequirements,
     check_replica_specs,
@@ -79,6 +85,7 @@ from llmgw.engines.spec import (
 )
 
 __all__ = [
+    "ANY_ENGINE_LOAD_METRICS",
     "BASE_ENV_NAMES",
     "BASE_ENV_PREFIXES",
     "CPU_GPU_CLASS",
@@ -101,6 +108,7 @@ __all__ = [
     "HealthState",
     "KVHashParams",
     "LlamaCppConfig",
+    "LoadMetrics",
     "MegatronConfig",
     "PlacementRequirements",
     "Profile",
@@ -119,6 +127,7 @@ __all__ = [
     "check_replica_specs",
     "check_secret_refs",
     "default_max_in_flight",
+    "engine_load_metrics",
     "hash_seed_problem",
     "is_secret_name",
     "is_valid_hash_seed",

@@ -36,6 +36,7 @@ __all__ = [
     "COORDINATOR_SUSPEND_CALLS",
     "Engine",
     "HealthState",
+    "LoadMetrics",
     "Readiness",
     "host_port",
 ]
@@ -68,6 +69,24 @@ class Readiness:
         return "unhealthy"
 
 
+@dataclass(frozen=True, slots=True)
+class LoadMetrics:
+    """The Prometheus metrics an engine's /metrics reports its load under, each summed over its
+    label sets: the requests it is running and those it queues. What the gateways read of an
+    engine's load beside their own in-flight count (the route table carries each replica's);
+    empty: the engine reports none of them, and only in-flight counts."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+    def __or__(self, other: LoadMetrics) -> LoadMetrics:
+        """Both engines' names, each once, in order."""
+        return LoadMetrics(
+            tuple(dict.fromkeys((*self.running, *other.running))),
+            tuple(dict.fromkeys((*self.waiting, *other.waiting))),
+        )
+
+
 def host_port(host: str, port: int) -> str:
     """host:port, bracketing an IPv6 literal."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -86,6 +105,9 @@ class Engine(ABC):
     health_path: ClassVar[str] = "/health"
     # None: the engine exports no Prometheus metrics (Megatron).
     metrics_path: ClassVar[str | None] = "/metrics"
+    # Where in those metrics its running and waiting requests are (none: the gateways count
+    # only their own in-flight requests on its replicas).
+    load_metrics: ClassVar[LoadMetrics] = LoadMetrics()
     readiness: ClassVar[Readiness]
     # False: the engine checks no API key, so the agent must keep it on
     # loopback (or the management address behind its proxy) whatever the spec.

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from llmgw.engines.command import Command
 from llmgw.engines.config import LlamaCppConfig
-from llmgw.engines.engine import Engine, Readiness
+from llmgw.engines.engine import Engine, LoadMetrics, Readiness
 from llmgw.engines.env import materialize_env, shard_env
 from llmgw.engines.flags import ReservedFlag, has_flag
 from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
@@ -47,6 +47,11 @@ class LlamaCpp(Engine):
     traits = EngineTraits(name="llamacpp", multi_node=False, cpu=True, kv_events=False)
     # 503 {"message": "Loading model"} while loading, 200 once ready.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    # Slots busy and requests deferred for want of one (as llama-server exposes them with
+    # --metrics, which this adapter passes).
+    load_metrics = LoadMetrics(
+        running=("llamacpp:requests_processing",), waiting=("llamacpp:requests_deferred",)
+    )
     all_reserved = (
         *_RESERVED,
         ReservedFlag(_GPU_LAYERS, "a GPU class"),

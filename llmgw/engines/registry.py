@@ -7,16 +7,23 @@ or offered is configuration, decided by the operator and passed in.
 from __future__ import annotations
 
 from llmgw.engines.config import EnginesConfig, TRTLLMConfig
-from llmgw.engines.engine import Engine
+from llmgw.engines.engine import Engine, LoadMetrics
 from llmgw.engines.llamacpp import LlamaCpp
 from llmgw.engines.megatron import Megatron
 from llmgw.engines.sglang import SGLang
 from llmgw.engines.sim import Sim
+from llmgw.engines.spec import canonical_engine
 from llmgw.engines.trtllm import TRTLLM
 from llmgw.engines.vllm import VLLM
 from llmgw.errors import SpecError
 
-__all__ = ["ENGINE_NAMES", "EngineRegistry", "reference_engine"]
+__all__ = [
+    "ANY_ENGINE_LOAD_METRICS",
+    "ENGINE_NAMES",
+    "EngineRegistry",
+    "engine_load_metrics",
+    "reference_engine",
+]
 
 ENGINE_NAMES = ("llamacpp", "megatron", "sglang", "sim", "trtllm", "vllm")
 
@@ -91,3 +98,22 @@ _REFERENCE = EngineRegistry(EnginesConfig(trtllm=TRTLLMConfig(serve_path="trtllm
 def reference_engine(name: str) -> Engine:
     """The adapter of engine `name` as every node would build it, or a SpecError."""
     return _REFERENCE.get(name)
+
+
+# An engine this release does not know (a launch spec of another release): every name any
+# adapter reports its load under, as it is likely one of them (names never collide).
+def _any_engine_load_metrics() -> LoadMetrics:
+    out = LoadMetrics()
+    for engine in _REFERENCE._engines.values():
+        out |= engine.load_metrics
+    return out
+
+
+ANY_ENGINE_LOAD_METRICS = _any_engine_load_metrics()
+
+
+def engine_load_metrics(name: str) -> LoadMetrics:
+    """Where engine ``name``'s /metrics reports its load (``Engine.load_metrics``); an unknown
+    name gets ``ANY_ENGINE_LOAD_METRICS``."""
+    engine = _REFERENCE._engines.get(canonical_engine(name))
+    return engine.load_metrics if engine is not None else ANY_ENGINE_LOAD_METRICS

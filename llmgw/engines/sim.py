@@ -24,6 +24,7 @@ from llmgw.engines.flags import ReservedFlag, flag_value, has_flag
 from llmgw.engines.kv_config import kv_events_config
 from llmgw.engines.spec import Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
+from llmgw.engines.vllm import VLLM_LOAD_METRICS
 
 __all__ = ["TINY_MODEL_DIR", "TOKENIZER_BUILTIN", "TOKENIZER_TINY", "Sim"]
 
@@ -54,6 +55,7 @@ class Sim(Engine):
     traits = EngineTraits(name="sim", multi_node=False, cpu=True, kv_events=True)
     # Unlike vLLM the simulator answers while "loading": 503, then 200.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    load_metrics = VLLM_LOAD_METRICS
     all_reserved = _RESERVED
     suspend_calls = COORDINATOR_SUSPEND_CALLS
     resume_calls = COORDINATOR_RESUME_CALLS

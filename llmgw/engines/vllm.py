@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from llmgw.engines.command import Command
 from llmgw.engines.config import VLLMConfig
-from llmgw.engines.engine import Engine, Readiness, host_port
+from llmgw.engines.engine import Engine, LoadMetrics, Readiness, host_port
 from llmgw.engines.env import materialize_env, shard_env
 from llmgw.engines.flags import ReservedFlag, arg_sets_flag
 from llmgw.engines.kv_config import kv_events_config
@@ -19,7 +19,7 @@ from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
 from llmgw.errors import SpecError
 
-__all__ = ["VLLM"]
+__all__ = ["VLLM", "VLLM_LOAD_METRICS"]
 
 _ALWAYS = (
     ReservedFlag(("--host",), "the agent's bind address (ShardSpec.bind_addr)"),
@@ -67,6 +67,12 @@ _KV_EVENTS = (
 )
 
 
+# vLLM's gauges of its scheduler's requests (the simulator exports the same names).
+VLLM_LOAD_METRICS = LoadMetrics(
+    running=("vllm:num_requests_running",), waiting=("vllm:num_requests_waiting",)
+)
+
+
 class VLLM(Engine):
     traits = EngineTraits(
         name="vllm",
@@ -77,6 +83,7 @@ class VLLM(Engine):
         quantization_flags=("--quantization", "-q"),
     )
     readiness = Readiness(loading_statuses=frozenset())
+    load_metrics = VLLM_LOAD_METRICS
     all_reserved = (*_ALWAYS, *_KV_EVENTS)
     # Sleep mode (a profile's --enable-sleep-mode): level 1 moves the weights to host memory
     # and drops the KV cache (vLLM publishes AllBlocksCleared); "wait" lets requests already

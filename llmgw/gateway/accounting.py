@@ -64,8 +64,8 @@ from typing import Literal
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
+from llmgw.periodic import Backoff, Periodic, backoff_delay
 from llmgw.store.usage import UsageRow, apply_flush, quota_totals
 
 __all__ = ["QuotaPeriod", "UsageRecorder", "new_process_id", "period_bounds"]
@@ -133,7 +133,6 @@ class UsageRecorder:
     ) -> None:
         self.process_id = process_id or new_process_id()
         self._sessions = sessions
-        self._flush_interval_s = flush_interval_s
         self._flush_records = flush_records
         self._quota_refresh_s = quota_refresh_s
         self._max_pending = max_pending_buckets
@@ -151,8 +150,15 @@ class UsageRecorder:
         # (key, period, period start) -> tokens Postgres had (last read) + flushed since.
         self._totals: dict[tuple[str, str, float], int] = {}
         self._db_lock = asyncio.Lock()
-        self._kick = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        # Every flush_interval_s; woken early once flush_records wait (a wake-up also cuts a
+        # failure's backoff short); after a failure, a growing pause.
+        self._flusher = Periodic(
+            self._flush_due,
+            name="llmgw-usage-flush",
+            interval_s=flush_interval_s,
+            backoff=Backoff(_BACKOFF_BASE_S, _BACKOFF_MAX_S),
+            on_error=self._flush_failed,
+        )
         self._last_drop_log = 0.0
         self._last_totals_read = float("-inf")
         self.num_dropped = 0
@@ -213,7 +219,7 @@ class UsageRecorder:
         self._last_used[key_id] = now
         self._live_records += 1
         if self._live_records >= self._flush_records:
-            self._kick.set()
+            self._flusher.wake()
 
     def period_tokens(self, key_id: str, period: str, now_s: float | None = None) -> int:
         """Prompt + completion tokens of ``key_id`` in its current ``period`` (see the module
@@ -238,29 +244,29 @@ class UsageRecorder:
     async def start(self) -> None:
         """Read the quota totals (a failure is logged: quotas then count only this process's
         usage until a read succeeds) and start flushing in the background."""
-        if self._task is not None:
+        if self._flusher.started:
             return
         try:
             await self.refresh_totals()
         except Exception as exc:
             log.warning("usage_totals_read_failed", error=type(exc).__name__)
-        self._task = asyncio.create_task(self._run(), name="llmgw-usage-flush")
+        self._flusher.start()
 
     async def stop(self) -> None:
         """Stop the background task and flush what is left, retrying for a bounded time."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._flusher.stop()
         deadline = time.monotonic() + self._stop_timeout_s
-        delay = _BACKOFF_BASE_S
+        failures = 0
         while self.num_pending_buckets:
             try:
                 await self.flush()
             except Exception as exc:
+                delay = backoff_delay(failures, _BACKOFF_BASE_S, _BACKOFF_MAX_S)
                 if time.monotonic() + delay >= deadline:
                     self._log_lost(exc)
                     return
                 await asyncio.sleep(delay)
-                delay = min(_BACKOFF_MAX_S, delay * 2)
+                failures += 1
 
     async def flush(self) -> None:
         """Write everything recorded so far (the batch being retried first); raises when
@@ -349,31 +355,21 @@ class UsageRecorder:
                 last_used=batch.last_used,
             )
 
-    async def _run(self) -> None:
-        failures = 0
-        while True:
-            if failures:
-                delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures)
-            else:
-                delay = self._flush_interval_s
-            await wait_event(self._kick, delay)
-            self._kick.clear()
-            try:
-                await self.flush()
-                if time.monotonic() - self._last_totals_read >= self._quota_refresh_s:
-                    await self.refresh_totals()
-            except Exception as exc:
-                failures += 1
-                if failures == 1:
-                    log.warning(
-                        "usage_flush_failed",
-                        error=type(exc).__name__,
-                        pending_buckets=self.num_pending_buckets,
-                    )
-                continue
-            if failures:
-                log.info("usage_flush_restored", failures=failures)
-            failures = 0
+    async def _flush_due(self) -> None:
+        """The flusher's run: flush, and read the totals when they are due."""
+        await self.flush()
+        if time.monotonic() - self._last_totals_read >= self._quota_refresh_s:
+            await self.refresh_totals()
+        if self._flusher.failures:  # still the count of the failures before this run
+            log.info("usage_flush_restored", failures=self._flusher.failures)
+
+    def _flush_failed(self, exc: Exception, failures: int) -> None:
+        if failures == 1:  # once per outage; the pending buckets show how it grows
+            log.warning(
+                "usage_flush_failed",
+                error=type(exc).__name__,
+                pending_buckets=self.num_pending_buckets,
+            )
 
     def _period_starts(self, minute_s: int) -> tuple[float, float]:
         """(day start, month start) of ``minute_s``, in ``_PERIODS`` order."""

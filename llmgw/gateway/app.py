@@ -1,13 +1,18 @@
 """The public listener's app: the OpenAI API, as a pure ASGI application.
 
-A request reads top to bottom, one step per module: path -> key (``keys``, from the header,
-before any body byte is read) -> body (capped, ``llmgw.http.bodies``) -> model (allow-list, route
-table) -> limits (``limits``: reserve) -> router (``routing_inputs`` assembles what the pure
-``router.decide`` weighs; tokens from the model's own files in process, ``local_tokens``,
-verified on a sample against an engine's /tokenize, which is also the fallback) -> upstream
-(``upstream``: the replica's agent proxy, pooled aiohttp, the retry rule) -> answer, passed
-through (``relay``) -> settle. This module parses, admits, routes and relays: it orchestrates
-the steps and holds none of them.
+A request reads top to bottom, one step per method, each step's work in its own module:
+
+- parse (``_parse``): the key (``keys``, from the header, before any body byte is read), the
+  body (capped and bounded, ``llmgw.http.bodies``), the model (the key's allow-list, the route
+  table as ``table_view`` shows it), the prompt (``wire``);
+- admit (``_admit``): the key's limits reserve the request's tokens (``limits``), then it waits
+  for room at the model's replicas (``flow``: queued fairly, or shed);
+- route (``_route``): the replica, by ``route_step`` (what the pure ``router.decide`` weighs:
+  load, the approximate tree, token ids from ``tokens`` scored against the KV index);
+- send (``_send``): to the replica's agent proxy, pooled, retried once by ``upstream``'s rule;
+- relay (``_relay``): the answer passed through, streamed or whole, and settled (``relay``).
+
+Everything that lives longer than a request (start, stop, the stats loop) is ``lifespan``'s.
 
 No framework router and no ``BaseHTTPMiddleware`` on this path: four fixed paths are string
 compares, and a middleware that wraps ``send`` in a task per response is measurable at the
@@ -24,16 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from starlette.types import Message, Receive, Scope, Send
 
 from llmgw.config import GatewaySettings
-from llmgw.eventloop import cancel_and_wait
 from llmgw.gateway.errors import (
     GatewayError,
     bad_request,
@@ -41,31 +44,18 @@ from llmgw.gateway.errors import (
     method_not_allowed,
     unknown_url,
 )
-from llmgw.gateway.flow import FlowControl
+from llmgw.gateway.flow import Charged, FlowControl
+from llmgw.gateway.lifespan import Lifespan
 from llmgw.gateway.load import LoadTracker
-from llmgw.gateway.local_tokens import MODES, LocalTokenizers, Verdict
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.relay import DisconnectWatch, Relay
-from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
+from llmgw.gateway.route_step import RouteStep
+from llmgw.gateway.routes import ModelRoute, RouteTable
 from llmgw.gateway.routing.approx import ApproxTree
-from llmgw.gateway.routing.inputs import (
-    INDEX_POLICIES,
-    NO_PREFIX,
-    TREE_POLICIES,
-    KvView,
-    RestartWatch,
-    Routed,
-    block_size,
-    claim_of,
-    claims_tree,
-    prefix_inputs,
-    routed,
-    session_of,
-    tree_key,
-)
-from llmgw.gateway.routing.router import Candidate, decide
-from llmgw.gateway.tokenize import Tokenizer, tokenize_payload
-from llmgw.gateway.upstream import Busy, Upstream
+from llmgw.gateway.routing.inputs import KvView, Routed, claims_tree, session_of
+from llmgw.gateway.table_view import TableView
+from llmgw.gateway.tokens import CHARS_PER_TOKEN, TokenizerSource, Tokens
+from llmgw.gateway.upstream import Attempt, Busy, Upstream
 from llmgw.gateway.wire import (
     Prompt,
     Settleable,
@@ -84,22 +74,15 @@ from llmgw.http.bodies import (
     parse_json,
     read_asgi,
 )
-from llmgw.kv.hf_tokenizer import TokenizerFiles
 from llmgw.logs import get_logger
 
-__all__ = ["Gateway", "KeyInfo", "RouteSource"]
+__all__ = ["Gateway", "KeyInfo", "RouteSource", "TokenizerSource"]
 
 log = get_logger("llmgw.gateway")
 
 _COMPLETIONS = "/v1/completions"
 _CHAT = "/v1/chat/completions"
 _MODELS = "/v1/models"
-# Characters per token when estimating a prompt's length before it is tokenized: low on
-# purpose, so a prompt is rather tokenized once too often than never.
-_CHARS_PER_TOKEN = 3
-# A verification is off the request path: it may wait for a busy replica's /tokenize longer
-# than routing would (a sample lost to a timeout is only asked again later).
-_VERIFY_TIMEOUT_S = 2.0
 
 
 class KeyInfo(Protocol):
@@ -122,15 +105,27 @@ class RouteSource(Protocol):
     def table(self) -> RouteTable: ...
 
 
-class TokenizerSource(Protocol):
-    """Each model's tokenizer files (``tokenizer_files.TokenizerFilesCache``, kept current by
-    it from Postgres): served model name -> files."""
-
-    @property
-    def files(self) -> Mapping[str, TokenizerFiles]: ...
-
-
 K = TypeVar("K", bound=KeyInfo)
+
+
+@dataclass(slots=True)
+class _Asked(Generic[K]):
+    """One generation request as parsed: who asks, for what, and how it wants the answer."""
+
+    started: float  # clock() when it came
+    path: str
+    chat: bool
+    key: K
+    body: dict[str, Any]
+    size: int  # of the body, in bytes
+    model: str
+    route: ModelRoute  # as the table stood when it came
+    prompt: Prompt
+    estimate: int  # the prompt's length in tokens, from its characters
+    stream: bool
+    client_usage: bool  # the client asked for a streamed usage chunk
+    salt: str | None  # the prompt's cache salt (the key's wins)
+    session: str | None
 
 
 @dataclass
@@ -152,11 +147,6 @@ class Gateway(Generic[K]):
     starts: Sequence[Callable[[], Awaitable[None]]] = ()
     stops: Sequence[Callable[[], Awaitable[None]]] = ()
     clock: Callable[[], float] = time.monotonic
-    _tokenizer: Tokenizer | None = field(default=None, init=False)
-    _rotation: int = field(default=0, init=False)
-    _stats_task: asyncio.Task[None] | None = field(default=None, init=False)
-    _seen_table: RouteTable | None = field(default=None, init=False)
-    _restarts: RestartWatch = field(default_factory=RestartWatch, init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -175,136 +165,51 @@ class Gateway(Generic[K]):
             windows=self.flow.windows,
         )
         self.relay = Relay(self.upstream, self.metrics, self.clock)
-        self.local = LocalTokenizers(
-            workers=s.local_tokenize_workers,
-            timeout_s=s.local_tokenize_timeout_s,
-            max_chars=s.local_tokenize_max_chars,
-            verify_first=s.tokenizer_verify_first,
-            verify_every=s.tokenizer_verify_every,
-            inline_chars=s.local_tokenize_inline_chars,
+        self.table = TableView(
+            self._table, flow=self.flow, trees=(self.tree, self.computing), clock=self.clock
         )
-        self._random = random.Random()
+        self.tokens = Tokens(
+            s,
+            metrics=self.metrics,
+            load=self.load,
+            files=self.tokenizer_files,
+            indexed=self.intake is not None,
+            table=self._table,
+        )
+        self.router = RouteStep(
+            s,
+            load=self.load,
+            tree=self.tree,
+            computing=self.computing,
+            intake=self.intake,
+            tokens=self.tokens,
+            metrics=self.metrics,
+            clock=self.clock,
+        )
+        self.lifespan = Lifespan(
+            s,
+            upstream=self.upstream,
+            tokens=self.tokens,
+            load=self.load,
+            flow=self.flow,
+            table=self.table,
+            tree=self.tree,
+            intake=self.intake,
+            metrics=self.metrics,
+            starts=self.starts,
+            stops=self.stops,
+        )
         self.created = int(time.time())
 
-    # --- lifespan ------------------------------------------------------------------------
-
-    async def startup(self) -> None:
-        s = self.settings
-        http = self.upstream.open()
-        self._tokenizer = Tokenizer(
-            http, timeout_s=s.tokenize_timeout_s, concurrency=s.tokenize_concurrency
-        )
-        for start in self.starts:
-            await start()
-        await self.load.start(http, self._ready_endpoints, s.load_scrape_s)
-        self._table()
-        self._sync_tokenizers()
-        await self.flow.start(refresh=self._table)
-        self._stats_task = asyncio.create_task(self._stats(), name="gateway-stats")
-
-    async def shutdown(self) -> None:
-        # uvicorn has stopped accepting and let open streams finish (controlplane grace) by now.
-        await cancel_and_wait(self._stats_task)
-        await self.flow.stop()
-        await self.load.stop()
-        for stop in reversed(self.stops):
-            try:
-                await stop()
-            except Exception:
-                log.error("gateway_stop_failed", exc_info=True)
-        await self.upstream.close()
-        self.local.close()
-
     def _table(self) -> RouteTable:
-        """The route table, having forgotten the claims on replicas whose engine restarted
-        since the last table (a new process has an empty KV cache; until its blocks' events
-        reach the index, and for the approximate tier at all, the trees would still send
-        the restarted replica every prompt it was once sent, to recompute it)."""
-        table = self.routes.table
-        if table is self._seen_table:
-            return table
-        self._seen_table = table
-        self.flow.configure(table)
-        now = self.clock()
-        endpoints = (ep for route in table.routes.values() for ep in route.endpoints)
-        for replica in self._restarts.restarted(endpoints):
-            self.tree.forget(replica, now=now)
-            self.computing.forget(replica, now=now)
-            log.info("gateway_replica_restarted", replica=replica)
-        return table
-
-    def _ready_endpoints(self) -> list[Endpoint]:
-        seen: dict[str, Endpoint] = {}
-        for route in self.routes.table.routes.values():
-            for ep in route.endpoints:
-                seen.setdefault(ep.replica, ep)
-        return list(seen.values())
-
-    async def _stats(self) -> None:
-        while True:
-            await asyncio.sleep(2.0)
-            self.metrics.approx_entries.set(len(self.tree))
-            self._sync_tokenizers()
-            self._report_tokenizer_modes()
-            if self.intake is not None:
-                index = self.intake.index
-                for model in index.models():
-                    self.metrics.index_blocks.labels(model).set(index.num_entries(model))
-
-    def _sync_tokenizers(self) -> None:
-        if self.tokenizer_files is not None and self.settings.local_tokenize:
-            self.local.sync(self.tokenizer_files.files)
-
-    def _report_tokenizer_modes(self) -> None:
-        """``llmgw_prefix_tokenizer_mode``: per served model, 1 for how its prompts are
-        tokenized, 0 for the other modes."""
-        metrics = self.metrics
-        for route in self.routes.table.routes.values():
-            if route.lora is not None:
-                continue
-            mode = self.tokenizer_mode(route)
-            for m in MODES:
-                metrics.gauge(metrics.tokenizer_mode, 1.0 if m == mode else 0.0, route.name, m)
-            none = 1.0 if route.tokenizer_none else 0.0
-            metrics.gauge(metrics.tokenizer_profile_none, none, route.name)
-
-    def tokenizer_mode(self, route: ModelRoute) -> str:
-        """How precise routing tokenizes the route's prompts: "local", "remote" or "none"."""
-        if self.intake is None or self.settings.routing_policy not in INDEX_POLICIES:
-            return "none"
-        if route.endpoints and not any(ep.hash is not None for ep in route.endpoints):
-            return "none"
-        if not self._tokenizes_locally(route):
-            return "remote"
-        return self.local.mode(route.base)
-
-    def _tokenizes_locally(self, route: ModelRoute) -> bool:
-        """Whether the route's prompts may be tokenized here at all: the setting allows it, and
-        no profile serving the model says ``tokenizer: none``."""
-        return self.settings.local_tokenize and not route.tokenizer_none
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:
-                    log.error("gateway_start_failed", exc_info=True)
-                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        return self.routes.table
 
     # --- ASGI ----------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
-            await self._lifespan(receive, send)
+            await self.lifespan.serve(receive, send)
             return
         if kind != "http":
             return
@@ -359,96 +264,28 @@ class Gateway(Generic[K]):
         body = json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode()
         await send_json(send, 200, body)
 
-    # --- generation ----------------------------------------------------------------------
+    # --- generation: parse -> admit -> route -> send -> relay ----------------------------
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
-        t0 = self.clock()
-        key = self.authenticate(header(scope, b"authorization"))
-        body, body_bytes = await self._read_json(scope, receive)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad_request("`model` is required: a name from GET /v1/models", param="model")
-        prompt = prompt_of(body, chat=chat)
-        allowed = key.allowed_models
-        route = self._table().get(model)
-        if route is None or (allowed is not None and model not in allowed):
-            self.metrics.inc(self.metrics.requests, "_unknown", "", "404")
-            raise GatewayError.model_not_found(model)
-        if not route.endpoints and not route.wakeable:  # wakeable: held, flow.py
-            self.metrics.inc(self.metrics.requests, model, "", "503")
-            raise GatewayError.no_ready_replica(model)
-
-        stream = bool(body.get("stream"))
-        client_usage = ask_for_usage(body) if stream else False
-        if key.cache_salt:
-            # The key's salt wins over anything the client sent: tenant isolation is the
-            # operator's rule, not the client's choice.
-            body["cache_salt"] = key.cache_salt
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-
-        prompt_estimate = len(prompt.text) // _CHARS_PER_TOKEN
-        limit = self.load.context_limit(ep.replica for ep in route.endpoints)
-        reserve = reserve_tokens(
-            body, chat, self.settings, context_limit=limit, prompt_tokens=prompt_estimate
-        )
-        admission = _Charged(self.admit(key, model, prompt_estimate + reserve), self.flow, model,
-                             key.key_id)  # fmt: skip
-        upstream = self.upstream
+        asked = await self._parse(scope, receive, chat=chat)
+        admission = self._admit(asked)
         flow = self.flow
+        model = asked.model
         granted = False
         # The body is read whole: from here the watch cancels this task when the client
         # leaves, whether it waits in the queue (it leaves the queue at once) or is served.
         watch = DisconnectWatch(receive)
         try:
-            await flow.enter(route, key.key_id, _priority(key), body_bytes, prompt_estimate)
-            granted = True
-            # Routed by the rules as they stand when it leaves the queue.
-            route = self._table().get(model) or route
-            if not route.endpoints:
-                self.metrics.inc(self.metrics.requests, model, "", "503")
-                raise GatewayError.no_ready_replica(model)
-            upstream.budget.deposit()
-            candidates = flow.with_room(upstream.candidates(route, exclude=()))
-            chosen = await self._route(
-                route, candidates, body, prompt, salt, scope, chat, estimate=prompt_estimate
+            await flow.enter(
+                asked.route, asked.key.key_id, _priority(asked.key), asked.size, asked.estimate
             )
-            prompt_tokens = chosen.prompt_tokens
-            flow.charge(model, key.key_id, prompt_tokens)
-            flow.routed(model, prompt_tokens, chosen.prefill)
-            payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-            self.metrics.in_flight.inc()
-            try:
-                # send counts the request in flight before its first await: the grant's
-                # claim on the model's room passes to the replica's count in one step.
-                granted = False
-                flow.release(model)
-                attempt = await upstream.send(
-                    route,
-                    chosen.replica,
-                    payload,
-                    scope["path"],
-                    prefill=chosen.prefill,
-                    prompt_tokens=prompt_tokens,
-                    claim=chosen.claim,
-                )
-            except Busy:
-                self.metrics.in_flight.dec()
-                raise flow.shed_busy(model) from None
-            except BaseException:
-                self.metrics.in_flight.dec()
-                raise
-            replica = attempt.ep.replica
-            try:
-                if stream and attempt.resp.status == 200:
-                    await self.relay.stream(
-                        attempt, send, watch, admission, route, client_usage, prompt_tokens, t0
-                    )
-                else:
-                    await self.relay.whole(attempt, send, admission, route, t0)
-            finally:
-                upstream.ended(replica, attempt.prefill, attempt.claim)
-                self.metrics.in_flight.dec()
-                attempt.resp.release()
+            granted = True
+            route, chosen = await self._route(asked)
+            payload = json.dumps(asked.body, separators=(",", ":"), ensure_ascii=False).encode()
+            # _send hands the grant over before its first await (see there).
+            granted = False
+            attempt = await self._send(asked, route, chosen, payload)
+            await self._relay(asked, route, chosen, attempt, send, watch, admission)
         except asyncio.CancelledError:
             if watch.caused_cancel():
                 raise ClientGone from None
@@ -462,6 +299,141 @@ class Gateway(Generic[K]):
             admission.release()
             # A replica's slot freed (or a grant came back): the next queued request goes.
             flow.dispatch()
+
+    async def _parse(self, scope: Scope, receive: Receive, *, chat: bool) -> _Asked[K]:
+        """The request, authenticated and read; a ``GatewayError`` for a request that names
+        no model it may use, or one no replica serves and none will."""
+        started = self.clock()
+        key = self.authenticate(header(scope, b"authorization"))
+        body, size = await self._read_json(scope, receive)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request("`model` is required: a name from GET /v1/models", param="model")
+        prompt = prompt_of(body, chat=chat)
+        allowed = key.allowed_models
+        route = self.table.route(model)
+        if route is None or (allowed is not None and model not in allowed):
+            self.metrics.inc(self.metrics.requests, "_unknown", "", "404")
+            raise GatewayError.model_not_found(model)
+        if not route.endpoints and not route.wakeable:  # wakeable: held, flow.py
+            self.metrics.inc(self.metrics.requests, model, "", "503")
+            raise GatewayError.no_ready_replica(model)
+        stream = bool(body.get("stream"))
+        if key.cache_salt:
+            # The key's salt wins over anything the client sent: tenant isolation is the
+            # operator's rule, not the client's choice.
+            body["cache_salt"] = key.cache_salt
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        return _Asked(
+            started=started,
+            path=scope["path"],
+            chat=chat,
+            key=key,
+            body=body,
+            size=size,
+            model=model,
+            route=route,
+            prompt=prompt,
+            estimate=len(prompt.text) // CHARS_PER_TOKEN,
+            stream=stream,
+            client_usage=ask_for_usage(body) if stream else False,
+            salt=salt,
+            session=session_of(header(scope, b"x-session-id"), body),
+        )
+
+    def _admit(self, asked: _Asked[K]) -> Charged:
+        """The key's admission of the request's tokens (its prompt, estimated, and what it may
+        generate), or the ``GatewayError`` (429) of the limit it would break."""
+        limit = self.load.context_limit(ep.replica for ep in asked.route.endpoints)
+        reserve = reserve_tokens(
+            asked.body, asked.chat, self.settings, context_limit=limit, prompt_tokens=asked.estimate
+        )
+        admitted = self.admit(asked.key, asked.model, asked.estimate + reserve)
+        return Charged(admitted, self.flow, asked.model, asked.key.key_id)
+
+    async def _route(self, asked: _Asked[K]) -> tuple[ModelRoute, Routed]:
+        """The request, granted room, routed by the rules as they stand when it leaves the
+        queue: its route then, and the replica among those with room."""
+        model = asked.model
+        route = self.table.route(model) or asked.route
+        if not route.endpoints:
+            self.metrics.inc(self.metrics.requests, model, "", "503")
+            raise GatewayError.no_ready_replica(model)
+        upstream, flow = self.upstream, self.flow
+        upstream.budget.deposit()
+        candidates = flow.with_room(upstream.candidates(route, exclude=()))
+        chosen = await self.router.route(
+            route,
+            candidates,
+            asked.body,
+            asked.prompt,
+            chat=asked.chat,
+            salt=asked.salt,
+            session=asked.session,
+            estimate=asked.estimate,
+        )
+        flow.charge(model, asked.key.key_id, chosen.prompt_tokens)
+        flow.routed(model, chosen.prompt_tokens, chosen.prefill)
+        return route, chosen
+
+    async def _send(
+        self, asked: _Asked[K], route: ModelRoute, chosen: Routed, payload: bytes
+    ) -> Attempt:
+        """The request sent to the chosen replica (or, by the retry rule, another): in flight
+        from here, its model's grant handed over. A busy refusal no retry could place is shed
+        (503), not a 502."""
+        metrics = self.metrics
+        metrics.in_flight.inc()
+        try:
+            # send counts the request in flight before its first await: the grant's claim on
+            # the model's room passes to the replica's count in one step.
+            self.flow.release(asked.model)
+            return await self.upstream.send(
+                route,
+                chosen.replica,
+                payload,
+                asked.path,
+                prefill=chosen.prefill,
+                prompt_tokens=chosen.prompt_tokens,
+                claim=chosen.claim,
+            )
+        except Busy:
+            metrics.in_flight.dec()
+            raise self.flow.shed_busy(asked.model) from None
+        except BaseException:
+            metrics.in_flight.dec()
+            raise
+
+    async def _relay(
+        self,
+        asked: _Asked[K],
+        route: ModelRoute,
+        chosen: Routed,
+        attempt: Attempt,
+        send: Send,
+        watch: DisconnectWatch,
+        admission: Charged,
+    ) -> None:
+        """The replica's answer passed to the client and settled; the request ends on the
+        replica however it ends here."""
+        try:
+            if asked.stream and attempt.resp.status == 200:
+                await self.relay.stream(
+                    attempt,
+                    send,
+                    watch,
+                    admission,
+                    route,
+                    asked.client_usage,
+                    chosen.prompt_tokens,
+                    asked.started,
+                )
+            else:
+                await self.relay.whole(attempt, send, admission, route, asked.started)
+        finally:
+            self.upstream.ended(attempt.ep.replica, attempt.prefill, attempt.claim)
+            self.metrics.in_flight.dec()
+            attempt.resp.release()
 
     async def _read_json(self, scope: Scope, receive: Receive) -> tuple[dict[str, Any], int]:
         """The body as a JSON object, and its size in bytes."""
@@ -484,184 +456,8 @@ class Gateway(Generic[K]):
             raise bad_request("the body must be a JSON object", code="invalid_json")
         return data, len(raw)
 
-    # --- routing -------------------------------------------------------------------------
-
-    async def _route(
-        self,
-        route: ModelRoute,
-        eps: list[Endpoint],
-        body: Mapping[str, Any],
-        prompt: Prompt,
-        salt: str | None,
-        scope: Scope,
-        chat: bool,
-        *,
-        estimate: int,
-    ) -> Routed:
-        """The replica for the request and what of its prompt it computes: ``router.decide``
-        on what ``routing_inputs`` assembles. ``estimate``: the prompt's length in tokens
-        from its characters."""
-        s = self.settings
-        policy = s.routing_policy
-        load = self.load
-        cands = [
-            Candidate(ep.replica, ep.shard, load.load(ep.replica), load.work(ep.replica))
-            for ep in eps
-        ]
-        self._rotation += 1
-        session = session_of(header(scope, b"x-session-id"), body)
-        now = self.clock()
-        key = tree_key(route.name, salt)
-        chunks: list[int] | None = None
-        approx: dict[str, float] | None = None
-        tokens: list[int] | None = None
-        # Scored before tokenizing: the tree as it stood when the request came.
-        if policy in TREE_POLICIES and prompt.text:
-            chunks = self.tree.chunks(prompt.text)
-            approx = self.tree.score(key, chunks, [c.replica for c in cands], now=now)
-        if policy in INDEX_POLICIES and not prompt.multimodal:
-            tokens = await self._tokens(route, eps, body, prompt, chat)
-        inputs = NO_PREFIX
-        if chunks is not None or tokens is not None:
-            inputs = prefix_inputs(
-                self.intake,
-                self.tree,
-                self.computing,
-                eps,
-                cands,
-                key=key,
-                chunks=chunks,
-                approximate=approx,
-                tokens=tokens,
-                salt=salt,
-                lora=route.lora,
-                now=now,
-            )
-        prompt_tokens = len(tokens) if tokens is not None else estimate
-        decision = decide(
-            cands,
-            policy=policy,
-            precise=inputs.precise,
-            approximate=inputs.approximate,
-            load_slack=s.load_slack,
-            prompt_tokens=prompt_tokens,
-            recompute_weight=s.recompute_weight,
-            affinity_tokens=s.affinity_tokens,
-            hot=inputs.hot,
-            home=inputs.home,
-            session=session,
-            rotation=self._rotation,
-            pick=self._random.random(),
-        )
-        metrics = self.metrics
-        metrics.inc(metrics.decisions, route.name, decision.method, decision.outcome)
-        if decision.method in ("precise", "approximate"):
-            metrics.observe(metrics.matched_share, decision.share, route.name, decision.method)
-        if chunks:
-            self.tree.record(key, chunks, decision.replica, now=now)
-        return routed(decision, inputs, prompt_tokens, claim_of(policy, eps, key, chunks))
-
-    async def _tokens(
-        self,
-        route: ModelRoute,
-        eps: list[Endpoint],
-        body: Mapping[str, Any],
-        prompt: Prompt,
-        chat: bool,
-    ) -> list[int] | None:
-        """The prompt's token ids for precise routing; None where they would not be scored
-        (no replica hashes KV events, no index), are not worth asking for (a prompt shorter
-        than ``precise_min_blocks`` blocks) or could not be had in time."""
-        hashed = [ep for ep in eps if ep.hash is not None]
-        if not hashed or self.intake is None:
-            return None
-        if prompt.token_ids is not None:
-            return prompt.token_ids
-        block = block_size(hashed)
-        if len(prompt.text) < self.settings.precise_min_blocks * block * _CHARS_PER_TOKEN:
-            return None
-        if self.tokenizer_files is not None and self._tokenizes_locally(route):
-            local = await self._local_tokens(route, hashed, body, prompt, chat)
-            if local is not None:
-                return local
-        payload = tokenize_payload(route.name, body, chat=chat)
-        if payload is None or self._tokenizer is None:
-            return None
-        target = min(hashed, key=lambda ep: (self.load.load(ep.replica), ep.replica))
-        t = time.perf_counter()
-        got = await self._tokenizer.tokenize(target, payload)
-        if isinstance(got, str):
-            self.metrics.inc(self.metrics.tokenize_failures, route.name, got)
-            return None
-        self.metrics.observe(self.metrics.tokenize_seconds, time.perf_counter() - t, route.name)
-        return got
-
-    async def _local_tokens(
-        self,
-        route: ModelRoute,
-        hashed: list[Endpoint],
-        body: Mapping[str, Any],
-        prompt: Prompt,
-        chat: bool,
-    ) -> list[int] | None:
-        """The prompt's ids from the model's tokenizer files, in this process; None where it
-        has no usable ones (the caller asks a replica). A sample is verified against a
-        replica's /tokenize after the request went on its way."""
-        self._sync_tokenizers()
-        model = route.base
-        if self.local.mode(model) != "local":
-            return None
-        t = time.perf_counter()
-        got = await self.local.tokenize(model, body, chat=chat, chars=len(prompt.text))
-        metrics = self.metrics
-        if isinstance(got, str):
-            metrics.inc(metrics.tokenize_failures, route.name, f"local_{got}")
-            return None
-        ids, verify = got
-        metrics.observe(metrics.tokenize_local_seconds, time.perf_counter() - t, route.name)
-        payload = tokenize_payload(route.name, body, chat=chat)
-        remote = self._tokenizer
-        if verify and payload is not None and remote is not None:
-            target = min(hashed, key=lambda ep: (self.load.load(ep.replica), ep.replica))
-            self.local.verify(
-                model,
-                ids,
-                lambda: remote.tokenize(target, payload, timeout_s=_VERIFY_TIMEOUT_S),
-                self._on_verdict,
-            )
-        return ids
-
-    def _on_verdict(self, verdict: Verdict) -> None:
-        if not verdict.match:
-            self.metrics.inc(self.metrics.tokenizer_mismatches, verdict.model)
-            self._report_tokenizer_modes()
-
 
 def _priority(key: KeyInfo) -> int:
     """The key's queue priority (``keys.KeyContext.priority``; 0 for a key without one)."""
     value = getattr(key, "priority", 0)
     return value if isinstance(value, int) else 0
-
-
-class _Charged:
-    """The key's admission, also charging the completion tokens it settles to the queue's
-    fairness counter (its prompt was charged when it was routed)."""
-
-    __slots__ = ("_admission", "_flow", "_key_id", "_model")
-
-    def __init__(self, admission: Settleable, flow: FlowControl, model: str, key_id: str):
-        self._admission = admission
-        self._flow = flow
-        self._model = model
-        self._key_id = key_id
-
-    def settle(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
-        self._flow.charge(self._model, self._key_id, completion_tokens)
-        self._admission.settle(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=cached_tokens,
-        )
-
-    def release(self) -> None:
-        self._admission.release()

@@ -4,7 +4,8 @@ This module only assembles: the key cache (``gateway.keys``), the per-key limite
 recorder it settles to (``gateway.limits``, ``gateway.accounting``), the route cache, the
 gateway's metrics on the process's internal registry, and the KV index the internal
 listener's agent API feeds, shared so that the router scores against the blocks agents report
-to this very process.
+to this very process. The caches hear of changes through the process's one LISTEN connection
+(``store.notify.NotifyHub``), which ``llmgw.serve`` builds and runs.
 
 What it must not do: mount anything of the admin API, the agent API, metrics or the docs.
 Those live on the internal listener only (docs/architecture.md §1): the admin token can set engine argv on
@@ -31,6 +32,7 @@ from llmgw.gateway.routes import RouteCache
 from llmgw.gateway.routing.inputs import KvView
 from llmgw.gateway.tokenizer_files import TokenizerFilesCache
 from llmgw.http.request_log import RequestLog
+from llmgw.store.notify import NotifyHub
 
 __all__ = ["create_public_app"]
 
@@ -39,24 +41,20 @@ def create_public_app(
     settings: GatewaySettings,
     *,
     sessions: async_sessionmaker[AsyncSession],
-    libpq_url: str,
+    notify: NotifyHub | None,
     registry: CollectorRegistry,
     intake: KvView,
     instance_id: str = "",
 ) -> ASGIApp:
-    """``intake``: the KV index the agent API feeds (the process's ``ShardViews``);
-    ``instance_id``: this control plane's, under which the gateway reports its demand
-    (empty: no report)."""
-    keys = KeyCache(sessions=sessions, libpq_url=libpq_url)
+    """``notify``: the process's hub, through which the key, route and tokenizer-file caches
+    hear of changes (None: only their periods); ``intake``: the KV index the agent API feeds
+    (the process's ``ShardViews``); ``instance_id``: this control plane's, under which the
+    gateway reports its demand (empty: no report)."""
+    keys = KeyCache(sessions=sessions, notify=notify)
     recorder = UsageRecorder(sessions=sessions)
     limiter = Limiter(recorder=recorder)
-    routes = RouteCache(sessions, libpq_url=libpq_url, refresh_s=settings.routes_refresh_s)
-    tokenizers = TokenizerFilesCache(sessions, libpq_url=libpq_url)
-    holder: list[Gateway[KeyContext]] = []
-    demand = DemandReporter(
-        sessions, instance_id=instance_id, flow=lambda: holder[0].flow, clock=time.monotonic
-    )
-    reports = (demand.start,) if instance_id else ()
+    routes = RouteCache(sessions, notify=notify, refresh_s=settings.routes_refresh_s)
+    tokenizers = TokenizerFilesCache(sessions, notify=notify)
     gateway: Gateway[KeyContext] = Gateway(
         settings=settings,
         routes=routes,
@@ -66,8 +64,15 @@ def create_public_app(
         intake=intake,
         tokenizer_files=tokenizers,
         # Stopped in reverse: routes, then the recorder's final flush, then the keys.
-        starts=(keys.start, recorder.start, routes.start, tokenizers.start, *reports),
-        stops=(keys.stop, recorder.stop, routes.stop, tokenizers.stop, demand.stop),
+        starts=(keys.start, recorder.start, routes.start, tokenizers.start),
+        stops=(keys.stop, recorder.stop, routes.stop, tokenizers.stop),
     )
-    holder.append(gateway)
+    if instance_id:
+        # The reporter reads the gateway's flow control, which the gateway builds: so it comes
+        # after the gateway, starts last and stops first.
+        flow = gateway.flow
+        demand = DemandReporter(sessions, instance_id=instance_id, flow=lambda: flow,
+                                clock=time.monotonic)  # fmt: skip
+        gateway.starts = (*gateway.starts, demand.start)
+        gateway.stops = (*gateway.stops, demand.stop)
     return RequestLog(gateway, listener="public", internal_error=internal_error)

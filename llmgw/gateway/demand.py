@@ -7,14 +7,13 @@ writes the current counts anyway).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.gateway.flow import FlowControl
 from llmgw.logs import get_logger
+from llmgw.periodic import Periodic
 from llmgw.store.demand import DemandRow, write_demand
 
 __all__ = ["DEMAND_PERIOD_S", "DemandReporter"]
@@ -39,13 +38,18 @@ class DemandReporter:
         self._flow = flow
         self._clock = clock
         self.period_s = period_s
-        self._task: asyncio.Task[None] | None = None
-        self._failing = False
-        self._wake = asyncio.Event()
+        # No backoff: the next period writes the current counts anyway, and a failed write
+        # is logged once until one succeeds.
+        self._reporter = Periodic(
+            self.report,
+            name="gateway-demand",
+            interval_s=period_s,
+            on_error=self._write_failed,
+        )
 
     def wake(self) -> None:
         """Report now, not at the next period: a request is held with no ready replica."""
-        self._wake.set()
+        self._reporter.wake()
 
     async def report(self) -> None:
         now = self._clock()
@@ -72,21 +76,11 @@ class DemandReporter:
 
     async def start(self) -> None:
         self._flow().on_hold = self.wake
+        self._reporter.start()
 
-        async def run() -> None:
-            while True:
-                await wait_event(self._wake, self.period_s)
-                self._wake.clear()
-                try:
-                    await self.report()
-                    self._failing = False
-                except Exception as exc:  # Postgres may be down: the gateway serves on
-                    if not self._failing:
-                        log.warning("gateway_demand_write_failed", error=type(exc).__name__)
-                    self._failing = True
-
-        self._task = asyncio.create_task(run(), name="gateway-demand")
+    def _write_failed(self, exc: Exception, failures: int) -> None:
+        if failures == 1:  # Postgres may be down: the gateway serves on
+            log.warning("gateway_demand_write_failed", error=type(exc).__name__)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._reporter.stop()

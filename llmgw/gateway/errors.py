@@ -20,6 +20,11 @@ message. The table below is the contract (status, ``type``, ``code``):
     503     api_error               model_overloaded      the model's queue is full or the wait too
                                                           long (Retry-After: the queue's drain time)
 
+The table is OpenAI's, not a rendering of ``llmgw.errors``' tree, on purpose: OpenAI answers a
+body that breaks a rule with 400 (the tree's ``SpecError`` is the admin API's 422), its codes
+are the ones the official client maps to exception classes, and clients of the public listener
+must not see it move when the admin API's table does.
+
 What this module must NOT do: echo a secret. Messages are built by the raiser from
 names and numbers, never from header values or request bodies; a name the client sent (a
 model, a path) is quoted through ``llmgw.errors.clip``, so a 4 MB name is not a 4 MB answer.

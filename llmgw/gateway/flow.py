@@ -47,9 +47,10 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.routing.admission import AdmissionWindows
 from llmgw.gateway.routing.fair_queue import DrainRate, FairQueue
+from llmgw.gateway.wire import Settleable
 from llmgw.logs import get_logger
 
-__all__ = ["Demand", "FlowControl"]
+__all__ = ["Charged", "Demand", "FlowControl"]
 
 log = get_logger("llmgw.gateway")
 
@@ -345,3 +346,28 @@ _SHED_WHY = {
     "queue_timeout": "no replica could take the request within gateway.queue_timeout_s",
     "replica_busy": "its replicas refused the connection while busy",
 }
+
+
+class Charged:
+    """A key's admission (``limits``), also charging the completion tokens it settles to the
+    model queue's fairness counter: a key is ordered by the tokens it was served (its prompt
+    was charged when it was routed)."""
+
+    __slots__ = ("_admission", "_flow", "_key_id", "_model")
+
+    def __init__(self, admission: Settleable, flow: FlowControl, model: str, key_id: str):
+        self._admission = admission
+        self._flow = flow
+        self._model = model
+        self._key_id = key_id
+
+    def settle(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self._flow.charge(self._model, self._key_id, completion_tokens)
+        self._admission.settle(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+        )
+
+    def release(self) -> None:
+        self._admission.release()

@@ -4,11 +4,12 @@ A key (``llmgw_<id>_<secret>``, llmgw.store.credentials) is found by its id and 
 secret checked against the SHA-256 stored for it, in constant time.
 
 ``KeyCache`` holds every live key in memory, so authenticating is a dict lookup and one hash,
-never a query. It is refreshed
+never a query. It is a ``NotifiedCache`` (``gateway.notified``), refreshed
 
 - at once when the admin API changes a key: every change NOTIFYs ``KEYS_CHANNEL`` inside its
-  transaction, which Postgres delivers on commit; a dedicated LISTEN connection wakes the
-  refresher, so a revoked key stops working within a second on every gateway;
+  transaction, which Postgres delivers on commit; the process's LISTEN connection
+  (``store.notify``) wakes the refresher, so a revoked key stops working within a second on
+  every gateway;
 - every ``refresh_interval_s`` (a lost notification, a listener that was reconnecting);
 - after the LISTEN connection comes back, since notifications sent while it was down are lost.
 
@@ -23,7 +24,6 @@ What this module must NOT do: log, store in an exception or put in a repr any ke
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 from collections.abc import Callable
@@ -32,12 +32,12 @@ from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.gateway.errors import GatewayError
+from llmgw.gateway.notified import NotifiedCache
 from llmgw.logs import get_logger
 from llmgw.store.credentials import parse_api_key, secret_sha256
 from llmgw.store.keys import KEYS_CHANNEL, live_keys
-from llmgw.store.listen import Listener, ListenLog
+from llmgw.store.notify import NotifyHub
 from llmgw.store.tables import ApiKey
 
 __all__ = ["KeyCache", "KeyContext"]
@@ -46,8 +46,6 @@ log = get_logger("llmgw.gateway.keys")
 
 # Compared against when the id is unknown, so an unknown id costs what a known one does.
 _NO_HASH = bytes(32)
-_BACKOFF_BASE_S = 0.25
-_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,40 +106,32 @@ def _entry(row: ApiKey) -> _Entry:
     )
 
 
-class KeyCache:
+class KeyCache(NotifiedCache):
     """Every live key, in memory; see the module docstring for how it stays current.
 
-    ``sessions`` reads the keys; ``libpq_url`` (a plain ``postgresql://`` URL) is where the
-    LISTEN connection goes. ``clock`` is wall-clock seconds, for expiry.
+    ``sessions`` reads the keys; ``notify`` is the process's hub (None: only the period).
+    ``clock`` is wall-clock seconds, for expiry.
     """
 
     def __init__(
         self,
         *,
         sessions: async_sessionmaker[AsyncSession],
-        libpq_url: str,
+        notify: NotifyHub | None,
         refresh_interval_s: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(
+            "keys",
+            notify=notify,
+            channels=[KEYS_CHANNEL],
+            refresh_s=refresh_interval_s,
+            log_as="api_keys",
+        )
         self._sessions = sessions
-        self._refresh_interval_s = refresh_interval_s
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._loaded = False
-        self._wake = asyncio.Event()
-        # Every reconnect wakes the refresher too: what changed while nobody listened is
-        # read now.
-        self._listener = Listener(
-            libpq_url,
-            [KEYS_CHANNEL],
-            application_name="llmgw-gateway-keys",
-            on_notify=self._wake.set,
-            on_listening=self._wake.set,
-            backoff_base_s=_BACKOFF_BASE_S,
-            backoff_max_s=_BACKOFF_MAX_S,
-            log=ListenLog(log, lost="api_keys_listen_lost", restored="api_keys_listen_restored"),
-        )
-        self._tasks: list[asyncio.Task[None]] = []
         # Rises on every successful load; tests and metrics wait on it.
         self.generation = 0
         self.last_loaded_at: float | None = None
@@ -154,28 +144,8 @@ class KeyCache:
     def num_keys(self) -> int:
         return len(self._entries)
 
-    @property
-    def listening(self) -> bool:
-        """Whether the LISTEN connection is up: a change committed from now on is seen."""
-        return self._listener.listening.is_set()
-
-    async def start(self) -> None:
-        """Load the keys once (a failure is logged, not raised: the refresher retries), then
-        listen and refresh in the background."""
-        if self._tasks:
-            return
-        try:
-            await self.refresh()
-        except Exception as exc:  # the refresher retries; requests get 503 until then
-            log.warning("api_keys_load_failed", error=type(exc).__name__)
-        self._tasks = [
-            asyncio.create_task(self._refresher(), name="llmgw-keys-refresh"),
-            asyncio.create_task(self._listener.run(), name="llmgw-keys-listen"),
-        ]
-
-    async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        await cancel_and_wait(tasks)
+    def holds(self) -> int:
+        return len(self._entries)
 
     async def refresh(self) -> None:
         """Re-read every live key and swap the whole map in one step; raises on failure and
@@ -218,26 +188,3 @@ class KeyCache:
         """The live key with this id (None: unknown or revoked), without its secret."""
         entry = self._entries.get(key_id)
         return None if entry is None else entry.context
-
-    async def _refresher(self) -> None:
-        failures = 0
-        while True:
-            if failures:
-                delay = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**failures)
-            else:
-                delay = self._refresh_interval_s
-            await wait_event(self._wake, delay)
-            # Cleared before reading: a change committed during the read wakes us again.
-            self._wake.clear()
-            try:
-                await self.refresh()
-            except Exception as exc:  # fail static: keep serving what was loaded
-                failures += 1
-                if failures == 1:
-                    log.warning(
-                        "api_keys_refresh_failed", error=type(exc).__name__, keys=self.num_keys
-                    )
-                continue
-            if failures:
-                log.info("api_keys_refresh_restored", keys=self.num_keys)
-            failures = 0

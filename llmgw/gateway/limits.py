@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from llmgw.gateway.accounting import UsageRecorder, period_bounds
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.keys import KeyContext
+from llmgw.ratelimit import TokenBucket
 
 __all__ = ["AdmittedRequest", "Limiter"]
 
@@ -39,24 +40,12 @@ _CONCURRENCY_RETRY_S = 1.0
 
 
 @dataclass(slots=True)
-class _TokenBucket:
-    level: float
-    updated: float
-
-    def refill(self, capacity: float, now: float) -> float:
-        rate = capacity / _MINUTE_S
-        self.level = min(capacity, self.level + (now - self.updated) * rate)
-        self.updated = now
-        return self.level
-
-
-@dataclass(slots=True)
 class _KeyState:
     in_flight: int = 0
     # Tokens reserved by admitted, unsettled requests (counted against the quota).
     reserved: int = 0
-    rpm: _TokenBucket | None = None
-    tpm: _TokenBucket | None = None
+    rpm: TokenBucket | None = None
+    tpm: TokenBucket | None = None
     admitted: int = 0
 
 
@@ -102,11 +91,10 @@ class Limiter:
             )
         rpm = None
         if key.rpm is not None:
-            rpm = state.rpm = _bucket(state.rpm, key.rpm, now)
-            if rpm.refill(key.rpm, now) < 1.0:
+            rpm = state.rpm = _per_minute(state.rpm, key.rpm)
+            if rpm.refill(now) < 1.0:
                 raise GatewayError.rate_limited(
-                    f"key {key.name!r} allows {key.rpm} requests per minute",
-                    (1.0 - rpm.level) * _MINUTE_S / key.rpm,
+                    f"key {key.name!r} allows {key.rpm} requests per minute", rpm.wait_s(1.0)
                 )
         tpm = None
         if key.tpm is not None:
@@ -116,12 +104,12 @@ class Limiter:
                     f"than key {key.name!r} allows per minute ({key.tpm}); lower max_tokens",
                     _MINUTE_S,
                 )
-            tpm = state.tpm = _bucket(state.tpm, key.tpm, now)
-            if tpm.refill(key.tpm, now) < reserve_tokens:
+            tpm = state.tpm = _per_minute(state.tpm, key.tpm)
+            if tpm.refill(now) < reserve_tokens:
                 raise GatewayError.rate_limited(
                     f"key {key.name!r} allows {key.tpm} tokens per minute and this request may "
                     f"use {reserve_tokens}",
-                    (reserve_tokens - tpm.level) * _MINUTE_S / key.tpm,
+                    tpm.wait_s(reserve_tokens),
                 )
         if key.token_quota is not None and key.quota_period is not None:
             wall = self._wall_clock()
@@ -138,9 +126,9 @@ class Limiter:
         state.admitted += 1
         state.reserved += reserve_tokens
         if rpm is not None:
-            rpm.level -= 1.0
+            rpm.take(1.0)
         if tpm is not None:
-            tpm.level -= reserve_tokens
+            tpm.take(reserve_tokens)
         return AdmittedRequest(self, key, model, reserve_tokens)
 
     # --- called by AdmittedRequest -------------------------------------------
@@ -153,8 +141,9 @@ class Limiter:
         if state.tpm is not None and adm.key.tpm is not None:
             # What the request really used replaces what it reserved; the level may go below
             # zero when it used more, and the next requests wait for that.
-            state.tpm.refill(adm.key.tpm, self._clock())
-            state.tpm.level = min(float(adm.key.tpm), state.tpm.level + reserved - used)
+            tpm = _per_minute(state.tpm, adm.key.tpm)
+            tpm.refill(self._clock())
+            tpm.credit(reserved - used)
 
     def _release(self, adm: AdmittedRequest, *, holds_reservation: bool) -> None:
         state = self._keys[adm.key.key_id]
@@ -163,9 +152,14 @@ class Limiter:
             self._settle(adm, 0, holds_reservation=True)
 
 
-def _bucket(bucket: _TokenBucket | None, capacity: int, now: float) -> _TokenBucket:
-    # A key starts with a full minute's allowance.
-    return bucket if bucket is not None else _TokenBucket(level=float(capacity), updated=now)
+def _per_minute(bucket: TokenBucket | None, per_minute: int) -> TokenBucket:
+    """The key's bucket at its limit as it stands: a key starts with a full minute's allowance,
+    and an edited limit applies from the next refill (the key cache hands the new one)."""
+    if bucket is None:
+        return TokenBucket(rate_per_s=per_minute / _MINUTE_S, burst=per_minute)
+    bucket.rate_per_s = per_minute / _MINUTE_S
+    bucket.burst = float(per_minute)
+    return bucket
 
 
 class AdmittedRequest:

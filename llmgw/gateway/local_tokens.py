@@ -21,8 +21,9 @@ agent shipped from the model's directory, or the profile named) and the replica'
 - Kept while Postgres is down: what is loaded stays loaded; only new files need the store.
 
 ``mode(model)``: "local" (tokenized here) or "remote" (the replica's /tokenize: no usable
-files, ``tokenizer: none``, or a mismatch); the gateway reports "none" for a model precise
-routing does not tokenize at all (no replica hashes KV events).
+files, ``tokenizer: none``, or a mismatch); ``tokens``, which decides where a prompt's ids come
+from, reports "none" for a model precise routing does not tokenize at all (no replica hashes
+KV events).
 What it must NOT do: block the loop, or raise into the request path (every failure is a
 reason the caller counts).
 """

@@ -2,9 +2,16 @@
 ``refresh_s`` as a safety net, that keeps the last good copy while Postgres is down (fail
 static: the gateway serves with what it read).
 
-The routes and the tokenizer files are two such caches; each says how to ``refresh`` and how
-many things it ``holds`` (for the log line that says it recovered). Every (re)connect of the
-LISTEN connection wakes a refresh too: NOTIFYs sent while no one listened are not replayed.
+The keys, the routes and the tokenizer files are such caches; each says how to ``refresh``
+(raising when it cannot: the old copy stays) and how many things it ``holds`` (for the log
+line that says it recovered). The NOTIFYs come through the process's ``NotifyHub``: every
+(re)connect of its LISTEN connection wakes a refresh too, since NOTIFYs sent while no one
+listened are not replayed. A refresh that failed is retried with a growing pause (at most
+``refresh_s``), so the cache catches up soon after Postgres answers again.
+
+Logs, under ``log_as``: ``<log_as>_load_failed`` when the first read at start fails,
+``<log_as>_refresh_failed`` once per outage after that, ``<log_as>_restored`` when a read
+succeeds again.
 """
 
 from __future__ import annotations
@@ -14,46 +21,44 @@ from collections.abc import Sequence
 
 from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
-from llmgw.store.listen import Listener
+from llmgw.store.notify import NotifyHub, Subscription
 
 __all__ = ["NotifiedCache"]
 
 log = get_logger("llmgw.gateway")
 
-_LISTEN_BACKOFF_BASE_S = 0.1
-_LISTEN_BACKOFF_MAX_S = 5.0
+# A failed refresh is retried after base * 2**failures seconds, at most this (or refresh_s).
+_RETRY_BASE_S = 0.25
+_RETRY_MAX_S = 5.0
 
 
 class NotifiedCache:
+    """``notify`` None: no NOTIFYs, only the period (``listening`` is then never set)."""
+
     def __init__(
         self,
         what: str,
         *,
-        libpq_url: str | None,
+        notify: NotifyHub | None,
         channels: Sequence[str],
         refresh_s: float,
+        log_as: str | None = None,
     ) -> None:
-        self._what = what  # names the log events: gateway_<what>_refresh_failed / _restored
+        self._what = what  # names the task
+        self._log_as = log_as or f"gateway_{what}"
         self.refresh_s = refresh_s
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._failing = False
-        self._listener = (
-            None
-            if not libpq_url
-            else Listener(
-                libpq_url,
-                list(channels),
-                application_name=f"llmgw-gateway-{what.replace('_', '-')}",
-                on_notify=self._wake.set,
-                on_listening=self._wake.set,
-                backoff_base_s=_LISTEN_BACKOFF_BASE_S,
-                backoff_max_s=_LISTEN_BACKOFF_MAX_S,
-            )
-        )
-        # Set while the LISTEN connection is up: NOTIFYs sent from then on reach this cache.
-        # Without a listener, never.
-        self.listening = asyncio.Event() if self._listener is None else self._listener.listening
+        self._task: asyncio.Task[None] | None = None
+        self._failures = 0
+        self._notify = notify
+        self._subscription = Subscription(channels, self._wake.set, on_connect=self._wake.set)
+        # Set while the hub LISTENs on this cache's channels: NOTIFYs sent from then on reach it.
+        self.listening = self._subscription.listening
+
+    @property
+    def failing(self) -> bool:
+        """Whether the last read failed: the cache serves its last good copy."""
+        return self._failures > 0
 
     async def refresh(self) -> None:
         raise NotImplementedError
@@ -61,31 +66,43 @@ class NotifiedCache:
     def holds(self) -> int:
         raise NotImplementedError
 
-    async def _refresh_quietly(self) -> None:
+    async def _refresh_quietly(self, *, first: bool = False) -> None:
         try:
             await self.refresh()
-            if self._failing:
-                log.info(f"gateway_{self._what}_restored", held=self.holds())
-            self._failing = False
         except Exception as exc:  # the database may be down: keep serving what we hold
-            if not self._failing:
-                log.warning(f"gateway_{self._what}_refresh_failed", error=type(exc).__name__)
-            self._failing = True
+            if not self._failures:
+                event = "load_failed" if first else "refresh_failed"
+                log.warning(f"{self._log_as}_{event}", error=type(exc).__name__, held=self.holds())
+            self._failures += 1
+            return
+        if self._failures:
+            log.info(f"{self._log_as}_restored", held=self.holds())
+        self._failures = 0
 
     async def start(self) -> None:
-        await self._refresh_quietly()
-        self._tasks.append(asyncio.create_task(self._run(), name=f"gateway-{self._what}"))
-        if self._listener is not None:
-            self._tasks.append(
-                asyncio.create_task(self._listener.run(), name=f"gateway-{self._what}-listen")
-            )
+        """Read once (a failure is logged, not raised: the loop retries), then follow the
+        NOTIFYs and the period in the background."""
+        if self._task is not None:
+            return
+        await self._refresh_quietly(first=True)
+        if self._notify is not None:
+            self._notify.add(self._subscription)
+        self._task = asyncio.create_task(self._run(), name=f"gateway-{self._what}")
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        await cancel_and_wait(tasks)
+        if self._notify is not None:
+            self._notify.remove(self._subscription)
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
+
+    def _pause_s(self) -> float:
+        if not self._failures:
+            return self.refresh_s
+        return float(min(self.refresh_s, _RETRY_MAX_S, _RETRY_BASE_S * 2**self._failures))
 
     async def _run(self) -> None:
         while True:
-            await wait_event(self._wake, self.refresh_s)
+            await wait_event(self._wake, self._pause_s())
+            # Cleared before reading: a change committed during the read wakes us again.
             self._wake.clear()
             await self._refresh_quietly()

@@ -14,8 +14,9 @@ Each replica's admission ceiling and each name's ``tokenizer_none`` (a profile s
 seconds without a roll.
 
 ``RouteCache`` re-reads every ``refresh_s`` and at once on a NOTIFY of the desired-state
-channel (a drain, a new deployment). When Postgres is down it keeps the last table: the
-gateway serves from it (fail static), and passive health ejects replicas that died meanwhile.
+channel (a drain, a new deployment), through the process's ``NotifyHub`` (``notified``).
+When Postgres is down it keeps the last table: the gateway serves from it (fail static), and
+passive health ejects replicas that died meanwhile.
 
 What it must NOT do: hand the engine keys to anything but the upstream client (they are
 ``repr=False`` and never logged).
@@ -31,11 +32,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from llmgw.engines import ANY_ENGINE_LOAD_METRICS, LoadMetrics
 from llmgw.gateway.notified import NotifiedCache
 from llmgw.gateway.routing.router import HashParams
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger
 from llmgw.store.catalog import CHANGE_CHANNEL, ROUTES_CHANNEL
+from llmgw.store.notify import NotifyHub
 from llmgw.store.routes import DeclaredRow, RouteRow, read_declared, read_routes
 
 __all__ = [
@@ -67,6 +70,9 @@ class Endpoint:
     incarnation: str = ""
     # Admission ceiling: requests running plus waiting it takes from all gateways together.
     max_in_flight: int = 1 << 20
+    # Where its engine's /metrics reports running and waiting requests (the engine's adapter
+    # says, ``store.routes``): the load scrape reads these names, no others.
+    load_metrics: LoadMetrics = ANY_ENGINE_LOAD_METRICS
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +164,7 @@ def build_table(
             adapters=loras,
             incarnation=row.incarnation,
             max_in_flight=row.max_in_flight or 1 << 20,
+            load_metrics=row.load_metrics,
         )
         if row.tokenizer_none:
             no_local.add(name)
@@ -203,13 +210,13 @@ class RouteCache(NotifiedCache):
         self,
         sessions: async_sessionmaker[AsyncSession],
         *,
-        libpq_url: str | None,
+        notify: NotifyHub | None,
         refresh_s: float,
     ) -> None:
         # Admin changes (names, adapters) and route changes (replicas' states).
         super().__init__(
             "routes",
-            libpq_url=libpq_url,
+            notify=notify,
             channels=[CHANGE_CHANNEL, ROUTES_CHANNEL],
             refresh_s=refresh_s,
         )

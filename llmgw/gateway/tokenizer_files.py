@@ -23,6 +23,7 @@ from llmgw.errors import LlmgwError
 from llmgw.gateway.notified import NotifiedCache
 from llmgw.kv.hf_tokenizer import TokenizerFiles
 from llmgw.logs import get_logger
+from llmgw.store.notify import NotifyHub
 from llmgw.store.tokenizers import (
     TOKENIZERS_CHANNEL,
     read_file_contents,
@@ -39,12 +40,12 @@ class TokenizerFilesCache(NotifiedCache):
         self,
         sessions: async_sessionmaker[AsyncSession],
         *,
-        libpq_url: str | None,
+        notify: NotifyHub | None,
         refresh_s: float = 30.0,
     ) -> None:
         super().__init__(
             "tokenizer_files",
-            libpq_url=libpq_url,
+            notify=notify,
             channels=[TOKENIZERS_CHANNEL],
             refresh_s=refresh_s,
         )

@@ -1,22 +1,9 @@
-"""The internal listener's error body and its table of stable error codes.
+"""The internal listener's error body: ``{"error": {"code", "message", "field"}}``.
 
-Every error leaves as ``{"error": {"code", "message", "field"}}``. ``code`` is
-the machine-readable part clients branch on, one per kind of error, whatever
-layer produced it (a middleware, FastAPI's parser, a route, the database):
-
-    code                    status  meaning
-    malformed-json          400     the body is not JSON (or not UTF-8)
-    unauthorized            401     the bearer token is missing or wrong
-    not-found               404     no such object, or no such path
-    method-not-allowed      405     the path exists; the ``Allow`` header lists its methods
-    conflict                409     a name is taken, an object is in use, a version is stale
-    body-too-large          413     the body is larger than the listener's cap
-    unsupported-media-type  415     the body is not sent as ``Content-Type: application/json``
-    spec-invalid            422     a field breaks a rule; ``field`` names it
-    placement-failed        422     no node can take a replica
-    internal                500     a bug: the message carries the request id to report
-    config-invalid          500     the server's own settings cannot work
-    database-unavailable    503     the state store is unreachable; retry
+``code`` and the status come from the error tree (``llmgw.errors``: ``CODES`` is the table,
+``status_of`` the one mapping); this module only renders them. ``render`` answers an error of
+the tree; ``error_response`` a status and code a middleware or framework hands over bare
+(``code_for_status``: starlette's HTTPException carries a status alone).
 
 What this module must not do: echo a value the client sent beyond what the
 caller puts in the message (a secret may be in any field), or produce a body
@@ -31,45 +18,47 @@ from collections.abc import Mapping
 
 from starlette.responses import Response
 
-from llmgw.errors import clip
+from llmgw.errors import (
+    AuthError,
+    BodyTooLargeError,
+    ConflictError,
+    DatabaseUnavailableError,
+    InternalError,
+    LlmgwError,
+    MalformedJsonError,
+    MethodNotAllowedError,
+    NotFoundError,
+    SpecError,
+    UnsupportedMediaTypeError,
+    clip,
+    status_of,
+)
 
-__all__ = ["ERROR_CODES", "code_for_status", "error_body", "error_response", "printable"]
+__all__ = ["code_for_status", "error_body", "error_response", "printable", "render"]
 
-ERROR_CODES: dict[str, int] = {
-    "malformed-json": 400,
-    "unauthorized": 401,
-    "not-found": 404,
-    "method-not-allowed": 405,
-    "conflict": 409,
-    "body-too-large": 413,
-    "unsupported-media-type": 415,
-    "spec-invalid": 422,
-    "placement-failed": 422,
-    "internal": 500,
-    "config-invalid": 500,
-    "database-unavailable": 503,
-}
-
-# For errors raised by the framework as a bare status (starlette's HTTPException).
+# The kind of error a bare status stands for, where the tree has one kind per status.
 _BY_STATUS: dict[int, str] = {
-    400: "malformed-json",
-    401: "unauthorized",
-    404: "not-found",
-    405: "method-not-allowed",
-    409: "conflict",
-    413: "body-too-large",
-    415: "unsupported-media-type",
-    422: "spec-invalid",
-    500: "internal",
-    503: "database-unavailable",
+    cls.status: cls.code
+    for cls in (
+        MalformedJsonError,
+        AuthError,
+        NotFoundError,
+        MethodNotAllowedError,
+        ConflictError,
+        BodyTooLargeError,
+        UnsupportedMediaTypeError,
+        SpecError,
+        InternalError,
+        DatabaseUnavailableError,
+    )
 }
 
 
 def code_for_status(status: int) -> str:
-    """The table's code for a bare HTTP status; 4xx/5xx outside the table fall back by class."""
+    """The tree's code for a bare HTTP status; 4xx/5xx outside it fall back by class."""
     if status in _BY_STATUS:
         return _BY_STATUS[status]
-    return "internal" if status >= 500 else "spec-invalid"
+    return InternalError.code if status >= 500 else SpecError.code
 
 
 def printable(text: str) -> str:
@@ -105,3 +94,8 @@ def error_response(
         headers=merged,
         media_type="application/json",
     )
+
+
+def render(exc: LlmgwError, headers: Mapping[str, str] | None = None) -> Response:
+    """``exc`` in the admin shape, with the status and code its type states."""
+    return error_response(status_of(exc), exc.code, exc.message, exc.field, headers)

@@ -32,15 +32,18 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Final
 
 from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from llmgw.errors import SpecError, clip
+from llmgw.kv.hf_chat_template import (
+    check_chat_options,
+    message_text,
+    pick_template,
+    template_environment,
+)
 
 __all__ = [
     "MAX_FILES_BYTES",
@@ -50,7 +53,6 @@ __all__ = [
     "SegmentCache",
     "TokenizerFiles",
     "TokenizerFilesError",
-    "check_chat_options",
 ]
 
 # The files read of a model directory, and nothing else of it: the tokenizer, its config (the
@@ -156,38 +158,6 @@ class SegmentCache:
         return len(self._items)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' own tojson: jinja2's escapes HTML characters, which a prompt must keep.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    # The one clock a template may read (Llama 3's date line), as transformers gives it.
-    return datetime.now().strftime(fmt)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, str):
@@ -208,54 +178,6 @@ def _json_file(files: Mapping[str, bytes], name: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise TokenizerFilesError(f"{name} is not a JSON object")
     return data
-
-
-def _pick_template(config: Mapping[str, Any], files: Mapping[str, bytes], tools: bool) -> str:
-    raw = files.get("chat_template.jinja")
-    if raw is not None:
-        return raw.decode("utf-8")
-    value = config.get("chat_template")
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        # Named templates: "tool_use" for a request with tools where there is one, else
-        # "default", as transformers picks.
-        named = {
-            t["name"]: t["template"]
-            for t in value
-            if isinstance(t, Mapping)
-            and isinstance(t.get("name"), str)
-            and isinstance(t.get("template"), str)
-        }
-        if tools and "tool_use" in named:
-            return str(named["tool_use"])
-        if "default" in named:
-            return str(named["default"])
-    return ""
-
-
-def _message_text(content: Any) -> str | None:
-    """The text of a message's content as vLLM hands it to the template ("string" content
-    format): a list of text parts is joined with newlines."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for i, part in enumerate(content):
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise SpecError(
-                    f"content part {i} is of type {clip(str(kind))!r}: only text parts are "
-                    "rendered here",
-                    field="messages",
-                )
-        return "\n".join(texts)
-    raise SpecError(
-        f"a message's content is a {type(content).__name__}; send a string or a list of text parts",
-        field="messages",
-    )
 
 
 _FIXED_KWARGS: Final = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -281,10 +203,10 @@ class HfTokenizer:
             text = _token_text(config.get(name)) or _token_text(special_map.get(name))
             if text is not None:
                 self._specials[name] = text
-        self._env = _environment()
+        self._env = template_environment()
         self._templates: dict[bool, Any] = {}
         for tools in (False, True):
-            source = _pick_template(config, raw, tools)
+            source = pick_template(config, raw, tools)
             try:
                 self._templates[tools] = self._env.from_string(source) if source else None
             except TemplateError as exc:
@@ -418,7 +340,7 @@ class HfTokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
                 raise SpecError(f"messages[{i}] is not an object", field=f"messages[{i}]")
-            chat.append({**message, "content": _message_text(message.get("content"))})
+            chat.append({**message, "content": message_text(message.get("content"))})
         context: dict[str, Any] = dict(self._specials)
         for name, value in (chat_template_kwargs or {}).items():
             if name not in _FIXED_KWARGS:
@@ -493,21 +415,3 @@ class HfTokenizer:
         if rendered is None:
             return None
         return self.encode(rendered[0], add_special_tokens=rendered[1])
-
-
-def check_chat_options(
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-) -> None:
-    """What every chat template refuses before rendering, as vLLM refuses it: the final
-    message cannot be both closed (a generation prompt) and continued, and a chat has one."""
-    if add_generation_prompt and continue_final_message:
-        raise SpecError(
-            "add_generation_prompt and continue_final_message are both true; "
-            "set add_generation_prompt=false to continue the final message",
-            field="continue_final_message",
-        )
-    if not messages:
-        raise SpecError("messages is empty; send at least one message", field="messages")

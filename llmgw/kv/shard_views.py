@@ -14,10 +14,10 @@ Answers (``KvResult``):
   restarted, a request was lost, or the agent reloaded its mirror): the agent sends a reset.
 - ``ack``: applied.
 
-``TokenBucket`` is behind "an instance may answer 429 + Retry-After to a full copy": after
-an instance restart every agent sends resets at once, and admitting them all would stall the
-router's event loop. Sync's reads of node ids it does not hold are rationed by one too. Pure: the HTTP shell passes ``now`` in, does the I/O and
-maps ``KvStreamError`` to 400. This module must NOT do I/O, read clocks or import the node agent.
+"An instance may answer 429 + Retry-After to a full copy": after an instance restart every
+agent sends resets at once, and admitting them all would stall the router's event loop; the
+agent API rations them with a ``llmgw.ratelimit.TokenBucket``. Pure: the HTTP shell does the
+I/O and maps ``KvStreamError`` to 400. This module must NOT do I/O, read clocks or import the node agent.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from llmgw.kv import PrefixIndex
 from llmgw.logs import get_logger
 from llmgw.protocol.kvstream import KvDeltaRequest, KvResult
 
-__all__ = ["PlacedShard", "ShardKvView", "ShardViews", "TokenBucket"]
+__all__ = ["PlacedShard", "ShardKvView", "ShardViews"]
 
 _log = get_logger(__name__)
 
@@ -197,26 +197,3 @@ class ShardViews:
         for shard in gone:
             self.drop(shard)
         return gone
-
-
-class TokenBucket:
-    """``rate_per_s`` admissions sustained, ``burst`` at once (full copies, unknown-node
-    lookups)."""
-
-    def __init__(self, *, rate_per_s: float = 200.0, burst: int = 400) -> None:
-        if rate_per_s <= 0 or burst < 1:
-            raise ValueError("a token bucket needs rate_per_s > 0 and burst >= 1")
-        self.rate_per_s = rate_per_s
-        self.burst = float(burst)
-        self._tokens = float(burst)
-        self._at: float | None = None
-
-    def admit(self, now: float) -> float | None:
-        """None to admit one now, else the seconds to send as Retry-After."""
-        if self._at is not None:
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate_per_s)
-        self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return None
-        return (1.0 - self._tokens) / self.rate_per_s

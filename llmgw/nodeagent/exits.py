@@ -21,10 +21,11 @@ from collections.abc import Iterable
 
 from llmgw.logs import get_logger
 from llmgw.nodeagent import procs
-from llmgw.nodeagent.launch import kill_leftovers, wrapper_running
 from llmgw.nodeagent.records import ShardExit, read_exit, read_procs
 from llmgw.nodeagent.runtime import ShardRuntime, log_tail
+from llmgw.nodeagent.shardprocs import kill_leftovers, wrapper_running
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
+from llmgw.periodic import backoff_delay
 
 __all__ = ["found_exited", "observe_exits", "refresh_engine_pid"]
 
@@ -107,9 +108,8 @@ def _on_exit(rt: ShardRuntime, now: float, cfg: SupervisorConfig) -> None:
     # A shard that ran for a while and then crashed starts a new count: a
     # crash a day is not a crash loop.
     rt.consecutive_failures = 1 if uptime >= cfg.stable_after_s else rt.consecutive_failures + 1
-    backoff = min(
-        cfg.restart_backoff_max_s,
-        cfg.restart_backoff_min_s * 2 ** (rt.consecutive_failures - 1),
+    backoff = backoff_delay(
+        rt.consecutive_failures - 1, cfg.restart_backoff_min_s, cfg.restart_backoff_max_s
     )
     rt.restart_at = now + backoff
     event = (

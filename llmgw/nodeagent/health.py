@@ -44,14 +44,12 @@ class HealthProber:
 
     async def _probe(self, rt: ShardRuntime, now: float) -> None:
         engine = rt.engine
-        spec = rt.record.spec
-        leader = int(spec.get("rank", 0) or 0) == 0
-        if engine is None or not leader or rt.record.http_port <= 0:
+        spec = rt.record.spec_view
+        if engine is None or not spec.leader or rt.record.http_port <= 0:
             # A rank that serves no HTTP is ready while its processes run.
             rt.health = "ready"
             return
-        host = str(spec.get("bind_addr") or "127.0.0.1")
-        url = f"http://{host}:{rt.record.http_port}{engine.health_path}"
+        url = f"http://{spec.engine_host}:{rt.record.http_port}{engine.health_path}"
         status: int | None
         try:
             status = (await self._client.get(url)).status_code
@@ -97,7 +95,7 @@ class HealthProber:
         placement paid for. Such a shard is never ready. Asked once per start.
         """
         engine, rec = rt.engine, rt.record
-        if engine is None or not engine.falls_back_to_cpu or not rec.spec.get("gpu_indices"):
+        if engine is None or not engine.falls_back_to_cpu or not rec.spec_view.gpu_indices:
             return ""
         if rt.cpu_checked_generation == rec.generation:
             return rt.cpu_fallback
@@ -137,8 +135,7 @@ class HealthProber:
         engine = rt.engine
         if engine is None:
             return
-        host = str(rt.record.spec.get("bind_addr") or "127.0.0.1")
-        base = f"http://{host}:{rt.record.http_port}"
+        base = f"http://{rt.record.spec_view.engine_host}:{rt.record.http_port}"
         steps = engine.suspend_calls if what == "suspend" else engine.resume_calls
         for step in steps:
             try:

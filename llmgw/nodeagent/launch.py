@@ -1,10 +1,12 @@
 """Starting and stopping shards for real: a wrapper spawned with its launch, stopped by
 signals, and the shard's GPUs waited on until they show none of its processes.
 
-A start is two steps, so the supervisor can book what lies between them: ``build`` (the
-shard's directory, its adapters fetched, its ports, the launch built; nothing runs yet, and
-every failure is a ``StartFailed`` to report and retry) and ``start`` (the record written,
-the wrapper spawned and handed its launch).
+A start is three steps, so the supervisor can book and act on what lies between them:
+``build`` (the shard's directory, its adapters fetched, its ports, the launch built from the
+node facts it is given; nothing runs yet, and every failure is a ``StartFailed`` to report and
+retry), ``write_record`` (the record on disk, which the supervisor's hooks see before any
+engine runs) and ``spawn`` (the wrapper spawned and handed its launch). Nothing here calls back
+into the supervisor.
 
 The agent is never what keeps an engine alive: wrappers run in their own sessions, get the
 launch on a pipe that is closed once written, and write their output to files. An agent that
@@ -24,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,10 +49,11 @@ from llmgw.nodeagent.prepare import (
 )
 from llmgw.nodeagent.records import RecordError, ShardRecord, safe_shard_dirname, write_model
 from llmgw.nodeagent.runtime import ShardRuntime
+from llmgw.nodeagent.shardprocs import wrapper_running
 from llmgw.nodeagent.shardrun import ShardLaunch
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 
-__all__ = ["Launcher", "PendingStart", "StartFailed", "kill_leftovers", "wrapper_running"]
+__all__ = ["Launcher", "PendingStart", "StartFailed"]
 
 # The supervisor's logger: these events were the supervisor's own before it was split up, and
 # whoever reads the logs finds them where they were.
@@ -63,7 +66,7 @@ class StartFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class PendingStart:
-    """A start built and not yet run: what ``Launcher.start`` runs."""
+    """A start built and not yet run: what ``Launcher.write_record`` and ``spawn`` run."""
 
     prepared: PreparedShard
     dir: Path
@@ -81,23 +84,6 @@ class PendingStart:
     proxy_port: int = 0
 
 
-def wrapper_running(rt: ShardRuntime) -> bool:
-    """Whether the shard's wrapper still runs: our child's exit status, else /proc's proof."""
-    if rt.popen is not None:
-        return rt.popen.poll() is None
-    rec = rt.record
-    return rec.wrapper_pid is not None and procs.same_process(
-        rec.wrapper_pid, rec.wrapper_start_time, rt.shard_id
-    )
-
-
-def kill_leftovers(shard_id: str) -> None:
-    """SIGKILL every process still marked with this shard (its wrapper is gone)."""
-    killed = procs.kill_marked(shard_id)
-    if killed:
-        log.warning("shard_leftovers_killed", shard=shard_id, pids=killed)
-
-
 def _record_ports(rec: ShardRecord) -> tuple[int, int, int]:
     return rec.http_port, rec.kv_events_port, rec.kv_replay_port
 
@@ -109,13 +95,11 @@ class Launcher:
         self,
         config: SupervisorConfig,
         *,
-        facts: Callable[[], NodeFacts],
         gpu_source: GpuSource,
         wrapper_env: Mapping[str, str],
         boot_id: str,
     ) -> None:
         self.cfg = config
-        self._facts = facts
         self._gpus = gpu_source
         self._wrapper_env = wrapper_env
         self._boot_id = boot_id
@@ -203,7 +187,9 @@ class Launcher:
             return self.proxy_ports.renew(prev.proxy_port)
         return self.proxy_ports.allocate()
 
-    def build(self, p: PreparedShard, d: Path, prev_rt: ShardRuntime | None) -> PendingStart:
+    def build(
+        self, p: PreparedShard, d: Path, prev_rt: ShardRuntime | None, *, facts: NodeFacts
+    ) -> PendingStart:
         """Ports and the launch for a start in directory ``d``; StartFailed if none can be."""
         prev = prev_rt.record if prev_rt is not None else None
         try:
@@ -217,7 +203,7 @@ class Launcher:
                 self.proxy_ports.release([proxy_port])
             raise StartFailed(str(e)) from None
         try:
-            spec, commands = build_launch(p, self._facts(), ports, runtime_dir=str(d / "run"))
+            spec, commands = build_launch(p, facts, ports, runtime_dir=str(d / "run"))
         except SpecError as e:
             # Ports not yet in a record go back to the pool: a start that keeps
             # failing must not drain the range.
@@ -243,25 +229,17 @@ class Launcher:
 
     # --- running it ------------------------------------------------------------------
 
-    async def start(
-        self,
-        pending: PendingStart,
-        now: float,
-        *,
-        before_spawn: Callable[[ShardRecord], Awaitable[None]],
-    ) -> ShardRuntime:
-        """Write the shard's record, let ``before_spawn`` see it, then spawn its wrapper."""
+    def write_record(self, pending: PendingStart) -> ShardRecord:
+        """The start's record, written to its directory (cleared of the last life's files)."""
         p, d, ports, commands = pending.prepared, pending.dir, pending.ports, pending.commands
-        prev_rt, restarted = pending.prev, pending.restarted
-        prev = prev_rt.record if prev_rt is not None else None
-        shard_id = p.shard_id
+        prev = pending.prev.record if pending.prev is not None else None
         engine = p.engine
         assert engine is not None  # launchable implies an engine
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         for stale in ("exit.json", "procs.json"):
             (d / stale).unlink(missing_ok=True)
         rec = ShardRecord(
-            shard_id=shard_id,
+            shard_id=p.shard_id,
             replica_id=p.desired.replica_id,
             fingerprint=p.desired.fingerprint,
             digest=p.digest,
@@ -283,7 +261,14 @@ class Launcher:
         # leaves a record without a pid, and the next one kills the orphan by
         # its marker instead of losing track of it.
         write_model(d / "record.json", rec)
-        await before_spawn(rec)
+        return rec
+
+    async def spawn(self, pending: PendingStart, rec: ShardRecord, now: float) -> ShardRuntime:
+        """Spawn the wrapper of a start whose record ``write_record`` wrote, hand it its launch
+        and note its pid in the record."""
+        p, d, ports, commands = pending.prepared, pending.dir, pending.ports, pending.commands
+        prev_rt, restarted = pending.prev, pending.restarted
+        shard_id = p.shard_id
         launch = ShardLaunch(
             shard_id=shard_id,
             shard_dir=str(d),
@@ -380,7 +365,7 @@ class Launcher:
 
     async def _wait_gpus_free(self, rt: ShardRuntime) -> None:
         """Where NVML exists, the shard's GPUs must show none of its processes."""
-        indices = list(rt.record.spec.get("gpu_indices") or [])
+        indices = list(rt.record.spec_view.gpu_indices)
         if not indices:
             return
         known = {p for p in (rt.engine_pid, rt.record.wrapper_pid) if p}

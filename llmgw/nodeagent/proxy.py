@@ -4,7 +4,7 @@ Engines are not a security boundary (docs/architecture.md §6): vLLM leaves /tok
 TensorRT-LLM and Megatron have no authentication at all, so engines bind 127.0.0.1 and are
 served at ``http://<mgmt>:<port>/shards/<shard_id>/<path>`` here: by each shard's wrapper, as
 its front door with one route (frontdoor.py), and by the agent, for shards adopted from
-wrappers too old to serve one (agent.py). For every request, in this order:
+wrappers too old to serve one (shared_proxy.py). For every request, in this order:
 
 1. the path: only ``/v1/*``, ``/tokenize``, ``/health`` and ``/metrics`` of a known shard, judged
    on the raw (undecoded) path so ``..``, ``%2e%2e`` or ``%2f`` cannot climb out of the shard's

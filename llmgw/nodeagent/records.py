@@ -27,10 +27,12 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 __all__ = [
     "RECORD_VERSION",
@@ -39,6 +41,7 @@ __all__ = [
     "ShardProc",
     "ShardProcs",
     "ShardRecord",
+    "ShardSpecView",
     "atomic_write",
     "list_shard_dirs",
     "mark_stopped",
@@ -55,6 +58,48 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 class RecordError(Exception):
     """A shard's record cannot be read or parsed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpecView:
+    """The fields of a record's stored spec (a ShardSpec as launched, as JSON) the agent reads,
+    parsed once when the record is (``ShardRecord.spec_view``): the spec itself stays a dict,
+    since a record written by another agent version must load whatever its spec holds.
+
+    A field the spec lacks reads as ShardSpec's default; one of the wrong type makes the record
+    unreadable (``RecordError``), as any other bad field does."""
+
+    # Node rank; 0 is the leader and the only rank that serves HTTP.
+    rank: int = 0
+    # Where the engine's HTTP server listens; empty: 127.0.0.1.
+    bind_addr: str = ""
+    gpu_indices: tuple[int, ...] = ()
+    # The profile's served_model_name (empty when it sets none).
+    served_model_name: str = ""
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def engine_host(self) -> str:
+        """The host the engine's HTTP server is reached at on this node."""
+        return self.bind_addr or "127.0.0.1"
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any]) -> ShardSpecView:
+        """Raises ValueError or TypeError for a field of the wrong type."""
+        profile = spec.get("profile")
+        served = profile.get("served_model_name") if isinstance(profile, Mapping) else None
+        indices = spec.get("gpu_indices") or ()
+        if not isinstance(indices, list | tuple):
+            raise TypeError(f"gpu_indices is {type(indices).__name__}, not a list")
+        return cls(
+            rank=int(spec.get("rank", 0) or 0),
+            bind_addr=str(spec.get("bind_addr") or ""),
+            gpu_indices=tuple(int(i) for i in indices),
+            served_model_name=str(served or ""),
+        )
 
 
 class _Rec(BaseModel):
@@ -104,6 +149,22 @@ class ShardRecord(_Rec):
     # crash: the next start of such a shard reports this reason and is a start, not a restart
     # (`restarts` unchanged), or every Ctrl-C of `llmgw up` would read as a crash.
     stopped_reason: str = ""
+    # ``spec`` parsed (set by the validator below; a model_copy keeps it, and no copy
+    # replaces the spec).
+    _spec_view: ShardSpecView = PrivateAttr(default_factory=ShardSpecView)
+
+    @model_validator(mode="after")
+    def _parse_spec(self) -> ShardRecord:
+        try:
+            self._spec_view = ShardSpecView.parse(self.spec)
+        except (TypeError, ValueError) as e:
+            # A ValueError is reported as the record's validation error (read_record).
+            raise ValueError(f"spec: {e}") from None
+        return self
+
+    @property
+    def spec_view(self) -> ShardSpecView:
+        return self._spec_view
 
 
 class ShardProc(_Rec):
@@ -120,7 +181,7 @@ class ShardProcs(_Rec):
     procs: list[ShardProc] = Field(default_factory=list)
     # Where the wrapper serves the shard's front door (frontdoor.py): port 0 when its launch
     # asked for none, None from a wrapper too old to serve one (the agent's shared proxy
-    # serves such a shard: agent.py).
+    # serves such a shard: shared_proxy.py).
     proxy_host: str = ""
     proxy_port: int | None = None
 

@@ -86,6 +86,20 @@ class ShardRuntime:
     cpu_fallback: str = ""
     notes: list[str] = field(default_factory=list)
 
+    def replaced(self) -> None:
+        """Stopped to be started again with a new spec: due at once, no crash counted."""
+        self.popen = None
+        self.phase = "exited"
+        self.engine_pid = None
+        self.health = "starting"
+        self.was_ready = False
+        self.restart_at = 0.0
+        self.consecutive_failures = 0
+        self.exit_reason = "replaced: its desired spec changed"
+        self.last_exit = None
+        # A replaced shard restarts at once: its digest no longer matches.
+        self.record = self.record.model_copy(update={"digest": ""})
+
     def view(self) -> RunningView:
         return RunningView(
             shard_id=self.shard_id,

@@ -13,6 +13,12 @@ stopped or adopted: the agent only watches and reports (fail static).
 This module keeps the books (the runtimes, the notes reported for shards without one, the
 start retries, the counters). It must NOT itself spawn or signal a process, nor ask an
 engine anything.
+
+Every call runs down: the pass calls into exits.py, launch.py and health.py (each over
+runtime.py, records.py, shardprocs.py, procs.py), and none of them calls back up; what happens
+between two steps of a start (the hooks told of a record before its engine runs) happens here,
+between ``Launcher.write_record`` and ``Launcher.spawn``. The node facts a start is built from
+are handed down with it.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from llmgw.nodeagent.diff import Action, DesiredView, Plan, compute_plan
 from llmgw.nodeagent.exits import found_exited, observe_exits, refresh_engine_pid
 from llmgw.nodeagent.health import HealthProber
 from llmgw.nodeagent.inventory import GpuSource
-from llmgw.nodeagent.launch import Launcher, StartFailed, kill_leftovers
+from llmgw.nodeagent.launch import Launcher, StartFailed
 from llmgw.nodeagent.prepare import NodeFacts, PreparedShard, prepare
 from llmgw.nodeagent.records import RecordError, ShardRecord, list_shard_dirs, read_record
 from llmgw.nodeagent.runtime import ShardRuntime
+from llmgw.nodeagent.shardprocs import kill_leftovers
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from llmgw.protocol import DesiredShard, ShardBinding
 
@@ -89,7 +96,7 @@ class Supervisor:
         self.boot_id = procs.boot_id()
         env = dict(wrapper_env)
         self._launcher = Launcher(
-            config, facts=facts, gpu_source=gpu_source, wrapper_env=env, boot_id=self.boot_id
+            config, gpu_source=gpu_source, wrapper_env=env, boot_id=self.boot_id
         )
         self._health = HealthProber(config, wrapper_env=env)
         # Desired shards as last prepared; None until the control plane answered.
@@ -289,21 +296,17 @@ class Supervisor:
                 # Nothing of an earlier life (an unreadable record) may hold its ports or GPUs.
                 kill_leftovers(shard_id)
                 self._quarantined.discard(shard_id)
-            pending = self._launcher.build(p, d, prev_rt)
+            pending = self._launcher.build(p, d, prev_rt, facts=self._facts())
         except StartFailed as e:
             self._start_failed(shard_id, str(e), now)
             return
         self.notes.pop(shard_id, None)
         self._retry_at.pop(shard_id, None)
-
-        async def before_spawn(rec: ShardRecord) -> None:
-            # The KV listener binds before the engine's PUB connects: frames sent
-            # to a port nobody polls are lost.
-            await self._hook(self.hooks.before_start, rec)
-
-        self.runtimes[shard_id] = await self._launcher.start(
-            pending, now, before_spawn=before_spawn
-        )
+        rec = self._launcher.write_record(pending)
+        # The KV listener binds before the engine's PUB connects: frames sent to a port nobody
+        # polls are lost.
+        await self._hook(self.hooks.before_start, rec)
+        self.runtimes[shard_id] = await self._launcher.spawn(pending, rec, now)
         self.counters["restarts" if pending.restarted else "starts"] += 1
 
     def _start_failed(self, shard_id: str, why: str, now: float) -> None:
@@ -338,17 +341,7 @@ class Supervisor:
         if rt.after_stop == "forget":
             self._forget(rt)
         else:
-            rt.popen = None
-            rt.phase = "exited"
-            rt.engine_pid = None
-            rt.health = "starting"
-            rt.was_ready = False
-            rt.restart_at = 0.0
-            rt.consecutive_failures = 0
-            rt.exit_reason = "replaced: its desired spec changed"
-            rt.last_exit = None
-            # A replaced shard restarts at once: its digest no longer matches.
-            rt.record = rt.record.model_copy(update={"digest": ""})
+            rt.replaced()
 
     async def stop_all(self, *, exit_reason: str) -> None:
         """Stop every shard and wait until all have stopped, keeping their records: the next
@@ -380,7 +373,10 @@ class Supervisor:
 
     # --- reporting ----------------------------------------------------------------
 
-    def bindings(self, *, proxy_url: Callable[[str], str] = lambda _sid: "") -> list[ShardBinding]:
+    def bindings(self, *, proxy_urls: Mapping[str, str] | None = None) -> list[ShardBinding]:
+        """What the control plane is told of every shard; ``proxy_urls``: where the gateways
+        reach each ready shard (agent.py knows, from the front doors and its shared proxy)."""
+        urls = proxy_urls or {}
         now = self._clock()
         out: list[ShardBinding] = []
         seen: set[str] = set()
@@ -397,7 +393,7 @@ class Supervisor:
                     crash_loop_after=self.cfg.crash_loop_after,
                     boot_id=self.boot_id,
                     now=now,
-                    proxy_url=proxy_url(sid),
+                    proxy_url=urls.get(sid, ""),
                     extra_reason=extra,
                 )
             )

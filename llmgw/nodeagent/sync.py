@@ -30,6 +30,7 @@ from llmgw.eventloop import wait_event
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient, ControlPlaneError, Incompatible, Refused
 from llmgw.nodeagent.state import AgentState, NodeIdentity
+from llmgw.periodic import backoff_delay
 from llmgw.protocol import (
     PROTOCOL_VERSION,
     ControlPlaneInstance,
@@ -65,7 +66,7 @@ def backoff_s(failures: int, timing: SyncTiming, rand: float) -> float:
     base = (
         timing.interval_s
         if failures <= 0
-        else min(timing.backoff_max_s, timing.interval_s * 2**failures)
+        else backoff_delay(failures, timing.interval_s, timing.backoff_max_s)
     )
     return base * (1 - timing.jitter + 2 * timing.jitter * rand)
 

@@ -36,6 +36,7 @@ from llmgw.errors import LlmgwError
 from llmgw.kv.hf_tokenizer import MAX_FILE_BYTES, TOKENIZER_FILE_NAMES, TokenizerFiles
 from llmgw.logs import get_logger
 from llmgw.nodeagent.policy import under_root
+from llmgw.nodeagent.runtime import ShardRuntime
 from llmgw.protocol.tokenizers import TokenizerUpload
 
 __all__ = ["TokenizerShipper", "read_tokenizer_files", "tokenizer_dir"]
@@ -140,6 +141,16 @@ class TokenizerShipper:
         self._shipped: dict[str, str] = {}  # shard -> digest shipped
         self._tried: dict[str, float] = {}  # shard -> when an upload last failed
         self._task: asyncio.Task[None] | None = None
+
+    def follow(self, runtimes: Mapping[str, ShardRuntime]) -> None:
+        """The supervisor's shards after a pass: what is gone is forgotten, and each ready
+        leader's tokenizer files are shipped (once per shard)."""
+        self.forget(runtimes)
+        self.ready(
+            (sid, rt.record.spec)
+            for sid, rt in runtimes.items()
+            if rt.phase == "live" and rt.health == "ready" and rt.record.spec_view.leader
+        )
 
     def ready(self, shards: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
         """The ready rank-0 shards (id, launch spec) as of this pass: ships what is due, in a

@@ -1,16 +1,112 @@
 """The control plane process (`llmgw controlplane`): its parts built once, both listeners served.
 
-The one composition root: it builds the KV index both listeners share (the agent API feeds it,
-the gateway's router reads it), the internal app (admin API, agent API, console, the leader's
-reconciler) and the public app (the OpenAI gateway), and serves them on one event loop with one
-shutdown and config reload (``servers``).
+The one composition root. ``build_process`` builds what both listeners share, once: the
+database engine and sessions, the metrics registry, this instance's identity, the one LISTEN
+connection (``store.notify.NotifyHub``: the gateway's caches and the reconciler subscribe to
+it), the KV index (the agent API feeds it, the gateway's router reads it) and the reconciler.
+``build_apps`` hands them, explicitly, to the internal app (admin API, agent API, console, the
+leader's reconciler) and the public app (the OpenAI gateway); ``serve_process`` runs the hub
+around the listeners (``servers``: one event loop, one shutdown, config reload) and disposes
+of the engine last.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["run_controlplane"]
+if TYPE_CHECKING:  # imported where used: `llmgw --help` need not load the whole server
+    from collections.abc import Callable, Sequence
+
+    from starlette.types import ASGIApp
+
+    from llmgw.config import ControlPlaneSettings, Settings
+    from llmgw.controlplane.internal_app import ControlPlaneParts
+    from llmgw.serve.servers import Listener
+    from llmgw.store.notify import NotifyHub
+
+__all__ = ["Process", "build_apps", "build_process", "run_controlplane", "serve_process"]
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """What both listeners of one control plane process share."""
+
+    # The engine and sessions, the registry, the instance, the KV index, the reconciler.
+    parts: ControlPlaneParts
+    # The process's one LISTEN connection.
+    notify: NotifyHub
+
+
+def build_process(cp: ControlPlaneSettings) -> Process:
+    """Every shared part, once (ConfigError first if the settings cannot make one)."""
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
+    from llmgw.controlplane.internal_app import (
+        ControlPlaneParts,
+        advertise_url,
+        build_reconciler,
+        check_settings,
+    )
+    from llmgw.embedded_postgres import libpq_url
+    from llmgw.kv.shard_views import ShardViews
+    from llmgw.store.database import create_engine, session_factory
+    from llmgw.store.notify import NotifyHub
+
+    check_settings(cp)
+    engine = create_engine(
+        cp.database_url, pool_size=cp.db_pool_size, connect_timeout_s=cp.db_connect_timeout_s
+    )
+    sessions = session_factory(engine)
+    registry = CollectorRegistry()
+    instance = InstanceIdentity(new_instance_id(), advertise_url(cp))
+    notify = NotifyHub(libpq_url(cp.database_url), application_name=f"llmgw-notify-{instance.id}")
+    reconciler = build_reconciler(
+        cp, sessions=sessions, registry=registry, instance_id=instance.id, notify=notify
+    )
+    parts = ControlPlaneParts(engine, sessions, registry, instance, ShardViews(), reconciler)
+    return Process(parts=parts, notify=notify)
+
+
+def build_apps(settings: Settings, process: Process) -> tuple[ASGIApp, ASGIApp]:
+    """The internal and the public app, over the same parts."""
+    from llmgw.controlplane.internal_app import create_app
+    from llmgw.gateway.asgi import create_public_app
+
+    parts = process.parts
+    internal = create_app(settings.controlplane, parts=parts)
+    public = create_public_app(
+        settings.gateway,
+        sessions=parts.sessions,
+        notify=process.notify,
+        registry=parts.registry,
+        intake=parts.kv,
+        instance_id=parts.instance.id,
+    )
+    return internal, public
+
+
+async def serve_process(
+    process: Process,
+    listeners: Sequence[Listener],
+    *,
+    grace_s: float,
+    fd_reserve: int,
+    on_reload: Callable[[], None] | None = None,
+) -> None:
+    """Serve ``listeners`` (``servers.serve``) with the process's parts around them: the hub
+    LISTENs from before the apps start until after they stopped, and the engine's pool is
+    closed last, after the gateway's final usage flush."""
+    from llmgw.serve.servers import serve
+
+    await process.notify.start()
+    try:
+        await serve(listeners, grace_s=grace_s, fd_reserve=fd_reserve, on_reload=on_reload)
+    finally:
+        await process.notify.stop()
+        await process.parts.engine.dispose()
 
 
 def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]]) -> None:
@@ -18,13 +114,9 @@ def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]
     both listeners' apps and serve them until SIGTERM."""
     from llmgw import eventloop
     from llmgw.config import load_settings
-    from llmgw.controlplane.internal_app import create_app
-    from llmgw.embedded_postgres import libpq_url
-    from llmgw.gateway.asgi import create_public_app
     from llmgw.http.listeners import FD_RESERVE, ListenerLimits
-    from llmgw.kv.shard_views import ShardViews
     from llmgw.logs import configure_logging, get_logger, log_to_file
-    from llmgw.serve.servers import ConfigReload, Listener, serve
+    from llmgw.serve.servers import ConfigReload, Listener
 
     settings = load_settings(config, **overrides)
     if settings.log.file:
@@ -33,18 +125,8 @@ def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]
         )
     configure_logging(settings.log.level, json=settings.log.json_lines)
     cp, gw = settings.controlplane, settings.gateway
-    # One KV index per process: the agent API (internal listener) feeds it, the gateway's
-    # router (public listener) reads it.
-    intake = ShardViews()
-    internal = create_app(cp, kv_intake=intake)
-    public = create_public_app(
-        gw,
-        sessions=internal.state.sessions,
-        libpq_url=libpq_url(cp.database_url),
-        registry=internal.state.metrics,
-        intake=intake,
-        instance_id=internal.state.instance_id,
-    )
+    process = build_process(cp)
+    internal, public = build_apps(settings, process)
     listeners = [
         Listener(
             name="internal",
@@ -87,11 +169,13 @@ def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]
     reload = ConfigReload(
         lambda: load_settings(config, **overrides),
         settings,
-        reconciler=internal.state.reconciler,
+        reconciler=process.parts.reconciler,
     )
     # Besides its listeners' connections the process holds the database pool (up to twice
     # its size on bursts) and the gateway's connections to engines.
     fd_reserve = FD_RESERVE + 2 * cp.db_pool_size + gw.upstream_pool_size
     eventloop.run(
-        serve(listeners, grace_s=cp.shutdown_grace_s, fd_reserve=fd_reserve, on_reload=reload)
+        serve_process(
+            process, listeners, grace_s=cp.shutdown_grace_s, fd_reserve=fd_reserve, on_reload=reload
+        )
     )

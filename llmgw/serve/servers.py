@@ -3,7 +3,8 @@
 The control plane serves two listeners (docs/architecture.md §1): the public one (the OpenAI
 API) and the internal one (admin API, agent API, health, metrics), each with
 its own app, so nothing of the internal API can answer on the public address.
-Both share the loop, the database pool and, later, the gateway's caches.
+Both share the loop and the process's parts (``process``: the database pool, the LISTEN
+connection, the KV index).
 
 Sockets are bound here, before any server starts: a taken port is a
 ``ConfigError`` naming the listener and its setting, instead of uvicorn's
@@ -120,11 +121,11 @@ class ConfigReload:
 
     def __call__(self) -> None:
         # The one conversion create_app uses, so a reload accepts exactly what a start does.
-        from llmgw.controlplane.internal_app import _plan_settings
+        from llmgw.controlplane.internal_app import plan_settings
 
         try:
             new = self._load()
-            plan = _plan_settings(new.controlplane.reconcile)
+            plan = plan_settings(new.controlplane.reconcile)
         except ConfigError as exc:
             log.error("config_reload_refused", field=exc.field, error=exc.message)
             return

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llmgw.errors import SpecError, clip
-from llmgw.kv.hf_tokenizer import check_chat_options
+from llmgw.kv.hf_chat_template import check_chat_options
 
 __all__ = ["render_chat"]
 

@@ -2,7 +2,7 @@
 control plane, one module per subject.
 
     tables, database, migrations   the schema, the engine and sessions, Alembic
-    listen                         dedicated connections and the LISTEN/NOTIFY loop
+    dedicated, notify              dedicated connections; the process's one LISTEN connection
     catalog                        models, profiles, deployments, the audit log
     fleet                          the admin's nodes, replicas, action record, GPU classes
     bootstrap_tokens               bootstrap tokens: created, listed, revoked, consumed

@@ -14,7 +14,11 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-__all__ = ["create_engine", "session_factory"]
+__all__ = ["RETRYABLE_SQLSTATES", "create_engine", "session_factory", "sqlstate_of"]
+
+# Deadlock and serialization failure: Postgres chose this transaction to abort so a concurrent
+# one could finish. Nothing was written; the same transaction succeeds when run again.
+RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
 
 
 def create_engine(url: str, *, pool_size: int = 10, connect_timeout_s: float = 5.0) -> AsyncEngine:
@@ -37,3 +41,9 @@ def create_engine(url: str, *, pool_size: int = 10, connect_timeout_s: float = 5
 def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     # expire_on_commit=False: rows read in a transaction stay readable after it, for the response.
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def sqlstate_of(exc: BaseException) -> str | None:
+    """The SQLSTATE of a database error (SQLAlchemy's wrapper or the driver's own), else None."""
+    state: str | None = getattr(getattr(exc, "orig", exc), "sqlstate", None)
+    return state

@@ -28,8 +28,8 @@ __all__ = [
     "upgrade",
 ]
 
-_PACKAGE = Path(__file__).resolve().parents[2]
-# In a checkout (or an editable install of one): <root>/llmgw/controlplane/store/migrations.py.
+_PACKAGE = Path(__file__).resolve().parents[1]
+# In a checkout (or an editable install of one): <root>/llmgw/store/migrations.py.
 _ROOT = _PACKAGE.parent
 
 

@@ -2,7 +2,8 @@
 and the rows they return.
 
 One statement reads every live rank-0 shard with its replica's state and its launch spec's
-profile, the other every deployment's names; ``gateway.routes.build_table`` turns the rows
+profile (whose engine names the metrics its load is read from, ``llmgw.engines``), the other
+every deployment's names; ``gateway.routes.build_table`` turns the rows
 into the table. Both take a session and write nothing.
 
 What this module must NOT do: put an engine key (``RouteRow.api_key``) in a repr or a log.
@@ -17,7 +18,13 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.engines import Profile, default_max_in_flight
+from llmgw.engines import (
+    ANY_ENGINE_LOAD_METRICS,
+    LoadMetrics,
+    Profile,
+    default_max_in_flight,
+    engine_load_metrics,
+)
 from llmgw.errors import LlmgwError
 
 __all__ = ["DeclaredRow", "RouteRow", "read_declared", "read_routes"]
@@ -39,6 +46,9 @@ class RouteRow:
     # The profile that launched the shard says `tokenizer: none` (its live value, else the one
     # its launch spec carries): the gateways never tokenize the model's prompts themselves.
     tokenizer_none: bool = False
+    # Where the launched profile's engine reports its load on /metrics (``Engine.load_metrics``):
+    # the gateways scrape it without knowing any engine's names.
+    load_metrics: LoadMetrics = ANY_ENGINE_LOAD_METRICS
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +125,16 @@ async def read_routes(session: AsyncSession) -> list[RouteRow]:
             incarnation=r.incarnation or "",
             max_in_flight=r.max_in_flight or _default_ceiling(r.profile),
             tokenizer_none=bool(r.tokenizer_none),
+            load_metrics=_load_metrics(r.profile),
         )
         for r in result
     ]
+
+
+def _load_metrics(profile: object) -> LoadMetrics:
+    """The launched profile's engine's load metrics (an unreadable profile's: any engine's)."""
+    engine = profile.get("engine") if isinstance(profile, dict) else None
+    return engine_load_metrics(engine) if isinstance(engine, str) else ANY_ENGINE_LOAD_METRICS
 
 
 def _default_ceiling(profile: object) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from llmgw.embedded_postgres import EmbeddedPostgres
 from llmgw.errors import EngineStartError
 from llmgw.logs import get_logger
+from llmgw.periodic import backoff_delay
 from llmgw.up import children as procs
 from llmgw.up.children import Child
 
@@ -23,12 +24,14 @@ __all__ = ["postgres_alive", "restart_dead"]
 
 log = get_logger("llmgw.up")
 
-# A child that keeps dying is restarted with growing pauses, not in a hot loop.
-_RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+# A child that keeps dying is restarted with growing pauses, not in a hot loop: 1 s after
+# its first exit, doubling, at most 30 s.
+_RESTART_BACKOFF_BASE_S = 1.0
+_RESTART_BACKOFF_MAX_S = 30.0
 
 
 def _backoff(failures: int) -> float:
-    return _RESTART_BACKOFF_S[min(failures, len(_RESTART_BACKOFF_S) - 1)]
+    return backoff_delay(failures, _RESTART_BACKOFF_BASE_S, _RESTART_BACKOFF_MAX_S)
 
 
 def restart_dead(

@@ -134,6 +134,7 @@ def test_the_clairvoyant_replay_places_each_request_at_its_soonest_first_token()
     assert alone.ttft_s[1] == pytest.approx(0.302 + 0.302 - 0.001)
 
 
+@pytest.mark.e2e
 def test_gateway_bench_reports_every_phase_against_direct_and_the_floor() -> None:
     gateway = _load("gateway")
     result = gateway.main(

@@ -18,8 +18,6 @@ from typing import Any, cast
 import httpx
 import psycopg
 import pytest
-from admin_testkit import ControlPlane, name, run_cli, sql
-from agentapi_testkit import launch_spec, place_shard
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import CursorResult, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -37,6 +35,9 @@ from llmgw.store.agent_shards import read_desired_shards
 from llmgw.store.database import create_engine, session_factory
 from llmgw.store.routes import read_declared, read_routes
 from llmgw.store.tokenizers import store_model_tokenizer
+from tests.controlplane.admin.admin_testkit import ControlPlane, name, run_cli, sql
+from tests.controlplane.agentapi.agentapi_testkit import launch_spec, place_shard
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,6 +75,7 @@ def _create(
         ("/" + "t" * 4096, "tokenizer: String should have at most 4096 characters"),
     ],
 )
+@pytest.mark.e2e
 def test_a_bad_tokenizer_is_a_422_naming_the_field_and_the_fix(
     client: httpx.Client, value: str, message: str
 ) -> None:
@@ -93,6 +95,7 @@ def test_a_bad_tokenizer_is_a_422_naming_the_field_and_the_fix(
     assert client.get(f"/profiles/{good['name']}").json()["tokenizer"] == ""
 
 
+@pytest.mark.e2e
 def test_edits_round_trip_and_roll_nothing(client: httpx.Client, cp: ControlPlane) -> None:
     _, profile, dep = _create(client)
     stored = client.get(f"/profiles/{profile}").json()
@@ -110,6 +113,7 @@ def test_edits_round_trip_and_roll_nothing(client: httpx.Client, cp: ControlPlan
     assert sql(cp.db_url, "SELECT tokenizer FROM profiles WHERE name = %s", (profile,)) == [("",)]
 
 
+@pytest.mark.e2e
 def test_apply_and_the_cli_take_the_field(
     client: httpx.Client, cp: ControlPlane, tmp_path: Path
 ) -> None:
@@ -182,14 +186,16 @@ def _gateway_view(cp: ControlPlane, model: str) -> tuple[dict[str, str], float]:
 
 def _until(cp: ControlPlane, model: str, mode: str, none: float, deadline_s: float = 15) -> float:
     t0 = time.monotonic()
-    while True:
+
+    def settled() -> bool:
         modes, got_none = _gateway_view(cp, model)
-        if modes.get(model) == mode and got_none == none:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < deadline_s, (model, mode, modes.get(model), got_none)
-        time.sleep(0.1)
+        return modes.get(model) == mode and got_none == none
+
+    wait_for(settled, timeout_s=deadline_s, what=f"{model}: {mode}, none {none}", interval_s=0.1)
+    return time.monotonic() - t0
 
 
+@pytest.mark.e2e
 def test_an_edit_to_none_stops_local_tokenizing_within_seconds(
     client: httpx.Client, cp: ControlPlane
 ) -> None:

@@ -31,18 +31,12 @@ from typing import Any, TypeVar
 
 import httpx
 import psycopg
-from support.procs import (
-    agent_port_base,
-    free_port,
-    llmgw_cmd,
-    stop_process,
-    wait_for,
-    wait_http_ok,
-)
 
 from llmgw.embedded_postgres import libpq_url
 from llmgw.nodeagent.procs import kill_marked
 from tests.nodeagent.agent_harness import AgentProcess
+from tests.support.procs import agent_port_base, free_port, llmgw_cmd, stop_process, wait_http_ok
+from tests.support.waiting import wait_for
 
 __all__ = [
     "SIM_ARGS",

@@ -16,7 +16,8 @@ import threading
 
 import httpx
 import pytest
-from fleet_harness import Fleet
+
+from tests.e2e.fleet_harness import Fleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fleet_harness import ControlPlaneProc, Fleet
+
+from tests.e2e.fleet_harness import ControlPlaneProc, Fleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

@@ -8,7 +8,8 @@ import signal
 from datetime import UTC, datetime
 
 import pytest
-from fleet_harness import NODE_GRACE_S, SYNC_S, Fleet, answers, pid_alive
+
+from tests.e2e.fleet_harness import NODE_GRACE_S, SYNC_S, Fleet, answers, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from fleet_harness import ControlPlaneProc, Fleet
+
+from tests.e2e.fleet_harness import ControlPlaneProc, Fleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

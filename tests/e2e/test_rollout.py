@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from fleet_harness import SIM_ARGS, Fleet, ReadyShard, answers
+
+from tests.e2e.fleet_harness import SIM_ARGS, Fleet, ReadyShard, answers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

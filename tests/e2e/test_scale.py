@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from fleet_harness import Fleet, answers, pid_alive
+
+from tests.e2e.fleet_harness import Fleet, answers, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fleet_harness import Fleet
 
 from llmgw.protocol.sync import PROTOCOL_VERSION, REGISTER_PATH, SYNC_PATH
+from tests.e2e.fleet_harness import Fleet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

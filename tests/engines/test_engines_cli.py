@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 KEY = "sk-cli-secret-key-0123456789"
@@ -36,6 +37,7 @@ def spec_doc(**profile: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.e2e
 def test_prints_the_commands_as_json_with_the_key_redacted(tmp_path: Path) -> None:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec_doc()))
@@ -57,6 +59,7 @@ def test_prints_the_commands_as_json_with_the_key_redacted(tmp_path: Path) -> No
     assert c["args"][:2] == ["serve", "/m"]
 
 
+@pytest.mark.e2e
 def test_show_secrets_and_sglang_files(tmp_path: Path) -> None:
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec_doc(engine="sglang")))
@@ -75,6 +78,7 @@ def test_show_secrets_and_sglang_files(tmp_path: Path) -> None:
     assert KEY not in " ".join(json.loads(r.stdout)["commands"][0]["args"])
 
 
+@pytest.mark.e2e
 def test_invalid_profiles_exit_2_with_the_message(tmp_path: Path) -> None:
     cases = {
         "unknown engine 'nope' (have": spec_doc(engine="nope"),
@@ -92,6 +96,7 @@ def test_invalid_profiles_exit_2_with_the_message(tmp_path: Path) -> None:
         assert r.stdout == ""
 
 
+@pytest.mark.e2e
 def test_validates_against_the_gpus_file(tmp_path: Path) -> None:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(spec_doc()))
@@ -133,6 +138,7 @@ SHELL_SECRETS = {
 }
 
 
+@pytest.mark.e2e
 def test_the_callers_secrets_are_never_printed(tmp_path: Path) -> None:
     path = tmp_path / "spec.json"
     doc = spec_doc(env={"WANDB_API_KEY": "wandb-key-in-the-profile"})

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import yaml
-from engines_testkit import profile
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from llmgw.engines import Adapter, KVHashParams, Profile, profile_fingerprint
 from llmgw.errors import SpecError
+from tests.engines.engines_testkit import profile
 
 BASE: dict[str, Any] = {
     "name": "llama-h100",

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engines_testkit import SEED, profile, registry
 
 from llmgw.engines import Profile, refused_flags
 from llmgw.errors import SpecError
+from tests.engines.engines_testkit import SEED, profile, registry
 
 KV: dict[str, Any] = {"kv_events": True, "kv_hash": {"seed": SEED}}
 CPU: dict[str, Any] = {"gpu_class": "cpu"}

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from engines_testkit import SEED, build, profile, registry, spec
 
 from llmgw.engines import Adapter, KVHashParams, profile_fingerprint
 from llmgw.nodeagent.tokenizer_ship import tokenizer_dir
 from llmgw.simengine.hf_tokens import tiny_model_dir
+from tests.engines.engines_testkit import SEED, build, profile, registry, spec
 
 INHERITED = {"HOME": "/root", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PATH": "/usr/bin:/bin"}
 GPU0 = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0", "NCCL_IB_DISABLE": "1"}

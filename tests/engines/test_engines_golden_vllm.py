@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from engines_testkit import SEED, build, profile, registry, spec
-
 from llmgw.engines import Adapter, KVHashParams
+from tests.engines.engines_testkit import SEED, build, profile, registry, spec
 
 INHERITED = {"HOME": "/root", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PATH": "/usr/bin:/bin"}
 

@@ -8,7 +8,6 @@ from dataclasses import FrozenInstanceError
 from typing import Any
 
 import pytest
-from engines_testkit import SEED, build, profile, registry, spec
 
 from llmgw.engines import (
     PlacementRequirements,
@@ -21,6 +20,7 @@ from llmgw.engines import (
     placement_requirements,
 )
 from llmgw.errors import SpecError
+from tests.engines.engines_testkit import SEED, build, profile, registry, spec
 
 # --- item 11: data parallelism is counted in GPUs ---------------------------
 

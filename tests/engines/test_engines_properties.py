@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from engines_testkit import registry
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from llmgw.engines import (
     ShardSpec,
     unsafe_env_reason,
 )
+from tests.engines.engines_testkit import registry
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

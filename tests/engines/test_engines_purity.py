@@ -5,9 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from engines_testkit import build, profile, spec
-
 from llmgw.engines import Adapter, KVHashParams
+from tests.engines.engines_testkit import build, profile, spec
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llmgw" / "engines"
 FORBIDDEN = {

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engines_testkit import build, profile, registry, spec
 from pydantic import ValidationError
 
 from llmgw.engines import (
@@ -20,6 +19,7 @@ from llmgw.engines import (
 )
 from llmgw.engines.sim import TINY_MODEL_DIR, TOKENIZER_BUILTIN, TOKENIZER_TINY
 from llmgw.simengine.hf_tokens import tiny_model_dir
+from tests.engines.engines_testkit import build, profile, registry, spec
 
 
 def _dir(engine: str, *args: str, **extra: Any) -> str | None:

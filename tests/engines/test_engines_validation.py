@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engines_testkit import SEED, build, profile, registry, spec
 
 from llmgw.engines import (
     Adapter,
@@ -18,6 +17,7 @@ from llmgw.engines import (
     parse_shard_spec,
 )
 from llmgw.errors import SpecError
+from tests.engines.engines_testkit import SEED, build, profile, registry, spec
 
 H100 = GPUInfo(
     index=0, name="NVIDIA H100 80GB HBM3", compute_capability="9.0", memory_total_mb=81559

@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer
 
 _ROOT = Path(__file__).resolve().parents[2]
 _DIR = _ROOT / "llmgw" / "tinymodel"
 
 
+@pytest.mark.e2e
 def test_the_committed_files_are_what_the_script_makes() -> None:
     done = subprocess.run(
         [sys.executable, str(_ROOT / "scripts" / "make-tiny-model.py"), "--check"],

@@ -35,13 +35,14 @@ from typing import Any, TypeVar
 
 import httpx
 import openai
-from support.procs import agent_port_base, free_port, wait_for
 
 from llmgw.embedded_postgres import EmbeddedPostgres, PostgresStartError, throwaway_parent
 from llmgw.store.migrations import upgrade
 from tests.e2e.fleet_harness import ControlPlaneProc
 from tests.gateway.gateway_fleet import GatewayFleet, metric_value
 from tests.nodeagent.agent_harness import AgentProcess
+from tests.support.procs import agent_port_base, free_port
+from tests.support.waiting import wait_for
 
 _T = TypeVar("_T", "Load", "ShardStates")
 

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_harness import (
+
+from tests.e2e.fleet_harness import ControlPlaneProc, answers, pid_alive
+from tests.faults.fault_harness import (
     Call,
     FaultFleet,
     KillablePostgres,
@@ -45,8 +47,6 @@ from fault_harness import (
     running,
     wait_until,
 )
-
-from tests.e2e.fleet_harness import ControlPlaneProc, answers, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

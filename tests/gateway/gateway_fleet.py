@@ -9,9 +9,9 @@ import subprocess
 from dataclasses import dataclass, field
 
 import httpx
-from support.procs import free_port, llmgw_cmd, wait_http_ok
 
 from tests.e2e.fleet_harness import _CP_ENV, ControlPlaneProc, Fleet
+from tests.support.procs import free_port, llmgw_cmd, wait_http_ok
 
 __all__ = ["GatewayFleet", "metric_value"]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,7 +14,6 @@ from typing import Any
 
 import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
-from support.procs import free_port
 
 from llmgw.config import GatewaySettings
 from llmgw.gateway.app import Gateway, TokenizerSource
@@ -25,6 +23,8 @@ from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.http.request_log import RequestLog
 from llmgw.kv.shard_views import ShardViews
 from llmgw.store.credentials import parse_api_key
+from tests.support.procs import free_port
+from tests.support.waiting import wait_for
 
 __all__ = [
     "Key",
@@ -144,11 +144,12 @@ def serve_asgi(app: Any, *, lifespan: str = "off") -> Iterator[str]:
     )
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
+
+    def started() -> bool:
+        assert thread.is_alive(), "the server's thread ended before it started"
+        return bool(server.started)
+
+    wait_for(started, timeout_s=20, what="the server to start", interval_s=0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

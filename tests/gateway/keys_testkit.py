@@ -5,12 +5,9 @@ the admin API makes them, and an async wait. A Postgres that goes away and comes
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -20,9 +17,7 @@ from llmgw.store.database import create_engine, session_factory
 from llmgw.store.keys import notify_keys_changed
 from llmgw.store.tables import ApiKey
 
-__all__ = ["insert_key", "revoke_key", "sessions_on", "until"]
-
-T = TypeVar("T")
+__all__ = ["insert_key", "revoke_key", "sessions_on"]
 
 
 @asynccontextmanager
@@ -76,20 +71,3 @@ async def revoke_key(sessions: async_sessionmaker[AsyncSession], name: str) -> N
         row.disabled = True
         await session.flush()
         await notify_keys_changed(session, row.id)
-
-
-async def until(
-    condition: Callable[[], T | Awaitable[T | None] | None], *, timeout_s: float, what: str
-) -> T:
-    """Poll ``condition`` (sync or async) until it returns something truthy; fail naming
-    ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value: Any = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value  # type: ignore[no-any-return]
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)

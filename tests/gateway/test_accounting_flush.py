@@ -9,14 +9,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from keys_testkit import insert_key, sessions_on, until
-from pg_harness import PgServer
 from sqlalchemy.exc import OperationalError
 from structlog.testing import capture_logs
 
 from llmgw.embedded_postgres import libpq_url
 from llmgw.gateway.accounting import UsageRecorder
 from llmgw.store.usage import UsageRow, apply_flush
+from tests.gateway.keys_testkit import insert_key, sessions_on
+from tests.pg_harness import PgServer
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,7 +193,9 @@ async def test_many_records_flush_early_and_unknown_keys_do_not_block_the_rest(
                 rec.record(key, "m", prompt_tokens=1, completion_tokens=0, cached_tokens=0)
             await until(lambda: _rows(db_url), timeout_s=10, what="a flush by count")
             assert list(_rows(db_url).values()) == [(9, 9, 0, 0)]
-            assert rec.num_pending_buckets == 0
+            # The poll above blocks the loop: the rows can be seen before the flush has read
+            # its COMMIT's reply, so "nothing pending" is waited for, not read at once.
+            await until(lambda: rec.num_pending_buckets == 0, timeout_s=5, what="none pending")
         finally:
             await rec.stop()
 

@@ -21,7 +21,11 @@ import aiohttp
 import httpx
 import openai
 import pytest
-from gateway_testkit import (
+
+from llmgw.config import GatewaySettings
+from llmgw.gateway.pool import read_capped
+from llmgw.gateway.routes import ModelRoute, RouteTable
+from tests.gateway.gateway_testkit import (
     SIM_KEY,
     Key,
     Served,
@@ -31,14 +35,11 @@ from gateway_testkit import (
     serve_gateway,
     table,
 )
-from support.procs import free_port, wait_for
-
-from llmgw.config import GatewaySettings
-from llmgw.gateway.pool import read_capped
-from llmgw.gateway.routes import ModelRoute, RouteTable
 from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
+from tests.support.procs import free_port
+from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 GOOD = Key("k1", "good")
 ONLY_OTHER = Key("k2", "restricted", allowed_models=frozenset({"other"}))

@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from gateway_fleet import GatewayFleet, metric_value
-from pg_harness import PgServer
+
+from tests.gateway.gateway_fleet import GatewayFleet, metric_value
+from tests.pg_harness import PgServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -17,11 +17,19 @@ from dataclasses import replace
 import aiohttp
 import httpx
 import pytest
-from gateway_testkit import SIM_KEY, Key, Served, endpoint, serve_asgi, serve_gateway, table
-from support.procs import wait_for
 
 from llmgw.config import GatewaySettings
+from tests.gateway.gateway_testkit import (
+    SIM_KEY,
+    Key,
+    Served,
+    endpoint,
+    serve_asgi,
+    serve_gateway,
+    table,
+)
 from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -81,6 +89,7 @@ def _peak_in_flight(gw: Served, stop: threading.Event, peaks: dict[str, int]) ->
         stop.wait(0.001)
 
 
+@pytest.mark.e2e
 def test_a_burst_waits_within_the_ceilings_and_completes(sims: list[SimProcess]) -> None:
     with _serve(sims) as gw:
         peaks: dict[str, int] = {}
@@ -109,6 +118,7 @@ def test_a_burst_waits_within_the_ceilings_and_completes(sims: list[SimProcess])
         assert "llmgw_gateway_shed_total{" not in metrics
 
 
+@pytest.mark.e2e
 def test_a_full_queue_and_an_expired_wait_shed_with_503(sims: list[SimProcess]) -> None:
     with _serve(sims, queue_max_requests=4, queue_timeout_s=0.5) as gw:
 
@@ -132,6 +142,7 @@ def test_a_full_queue_and_an_expired_wait_shed_with_503(sims: list[SimProcess]) 
         assert 'llmgw_gateway_shed_total{model="m",reason="queue_timeout"}' in metrics
 
 
+@pytest.mark.e2e
 def test_a_queued_stream_sees_nothing_and_leaves_when_its_client_goes(
     sims: list[SimProcess],
 ) -> None:
@@ -240,6 +251,7 @@ def _wakeable(eps: tuple[object, ...]) -> object:
     return RouteTable({"m": ModelRoute("m", "m", None, eps, wakeable=True)}, 1.0)  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_a_request_for_a_model_with_no_ready_replica_is_held_then_answered(
     sims: list[SimProcess],
 ) -> None:

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_testkit import Key, Served, endpoint, serve_gateway, table
 
+from tests.gateway.gateway_testkit import Key, Served, endpoint, serve_gateway, table
 from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 GOOD = Key("k1", "good")
 AUTH = {"Authorization": "Bearer llmgw_k1_s1", "Content-Type": "application/json"}

@@ -15,13 +15,15 @@ from typing import Any
 import aiohttp
 import httpx
 import pytest
-from gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, table
-from support.procs import free_port, wait_for
 
+from llmgw.engines import ANY_ENGINE_LOAD_METRICS, engine_load_metrics
 from llmgw.gateway.load import LoadTracker, parse_engine_load
 from llmgw.gateway.routing.router import HashParams
 from llmgw.gateway.tokenize import Tokenizer
 from llmgw.gateway.wire import prompt_of
+from tests.gateway.gateway_testkit import SIM_KEY, Key, endpoint, serve_asgi, serve_gateway, table
+from tests.support.procs import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,9 +62,25 @@ llamacpp:requests_deferred 5
 llamacpp:requests_processing_seconds 77
 llamacpp:prompt_tokens_total 1000
 """
-    assert parse_engine_load(vllm) == 5
-    assert parse_engine_load(llama) == 7
-    assert parse_engine_load(b"other_metric 4\n") == 0
+    assert parse_engine_load(vllm, engine_load_metrics("vllm")).load == 5
+    assert parse_engine_load(llama, engine_load_metrics("llamacpp")).load == 7
+    assert parse_engine_load(b"other_metric 4\n", ANY_ENGINE_LOAD_METRICS).load == 0
+
+
+def test_engine_load_reads_only_its_engines_names_and_skips_what_it_cannot_read() -> None:
+    body = b"""# HELP vllm:num_requests_running running (vllm:num_requests_running 99 in a comment)
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4 1733390000000
+vllm:num_requests_waiting{engine="0",model_name="m"} NaN
+vllm:num_requests_waiting{engine="1",model_name="m"} not-a-number
+vllm:num_requests_waiting{engine="2",model_name="m\\\\"} 2
+llamacpp:requests_processing 50
+"""
+    # Summed over label sets (a timestamp, an escaped label), NaN and a bad line skipped, the
+    # other engine's names and the comment's mention not read.
+    assert parse_engine_load(body, engine_load_metrics("vllm")) == (9, 2)
+    assert parse_engine_load(body, engine_load_metrics("llamacpp")) == (50, 0)
+    assert parse_engine_load(body, engine_load_metrics("megatron")) == (0, 0)
 
 
 async def _metrics_app(scope: Any, receive: Any, send: Any) -> None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import array
 import json
 import shutil
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from prometheus_client import CollectorRegistry
 
 from llmgw.config import GatewaySettings
@@ -27,7 +25,9 @@ from llmgw.kv.hf_tokenizer import HfTokenizer, TokenizerFiles
 from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.protocol.kvstream import KvDeltaRequest
 from llmgw.simengine.hf_tokens import read_tokenizer_dir, tiny_model_dir
+from tests.gateway.gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from tests.simengine.sim_process import HASH_SEED, SimProcess, start_sim, stop_sim
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -146,6 +146,7 @@ PROMPTS: list[dict[str, Any]] = [
 ]
 
 
+@pytest.mark.e2e
 def test_local_tokens_equal_the_engines_tokenize(
     sims: dict[str, tuple[SimProcess, Path]],
 ) -> None:
@@ -220,16 +221,14 @@ def _chat(gw: Served, i: int) -> None:
 
 
 def _wait(predicate: Any, what: str, deadline_s: float = 10.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+    wait_for(predicate, timeout_s=deadline_s, what=what, interval_s=0.02)
 
 
 def _intake() -> ShardViews:
     return ShardViews()
 
 
+@pytest.mark.e2e
 def test_local_tokenizing_routes_and_a_planted_template_falls_back(
     sims: dict[str, tuple[SimProcess, Path]],
 ) -> None:
@@ -239,7 +238,7 @@ def test_local_tokenizing_routes_and_a_planted_template_falls_back(
     mode = "llmgw_prefix_tokenizer_mode"
     with serve_gateway(_sims_table(sim), KEYS, settings=settings, intake=_intake(),
                        tokenizer_files=same) as gw:  # fmt: skip
-        _wait(lambda: gw.gateway.local.mode("m") == "local", "the files load")
+        _wait(lambda: gw.gateway.tokens.local.mode("m") == "local", "the files load")
         for i in range(4):
             _chat(gw, i)
         local = "llmgw_prefix_tokenize_local_seconds_count"
@@ -247,7 +246,7 @@ def test_local_tokenizing_routes_and_a_planted_template_falls_back(
         # Verified (the first two) and found equal: no call to /tokenize on the request path.
         assert _sample(gw, "llmgw_prefix_tokenize_seconds_count", {"model": "m"}) == 0
         assert _sample(gw, "llmgw_prefix_tokenizer_mismatches_total", {"model": "m"}) == 0
-        gw.gateway._report_tokenizer_modes()
+        gw.gateway.tokens.report_modes()
         assert _sample(gw, mode, {"model": "m", "mode": "local"}) == 1
         assert _sample(gw, mode, {"model": "m", "mode": "remote"}) == 0
 
@@ -259,11 +258,11 @@ def test_local_tokenizing_routes_and_a_planted_template_falls_back(
     wrong = _Files({"m": TokenizerFiles(planted)})
     with serve_gateway(_sims_table(sim), KEYS, settings=settings, intake=_intake(),
                        tokenizer_files=wrong) as gw:  # fmt: skip
-        _wait(lambda: gw.gateway.local.mode("m") == "local", "the files load")
+        _wait(lambda: gw.gateway.tokens.local.mode("m") == "local", "the files load")
         _chat(gw, 0)
-        _wait(lambda: gw.gateway.local.mode("m") == "remote", "the mismatch is caught")
+        _wait(lambda: gw.gateway.tokens.local.mode("m") == "remote", "the mismatch is caught")
         assert _sample(gw, "llmgw_prefix_tokenizer_mismatches_total", {"model": "m"}) == 1
-        assert "differ" in (gw.gateway.local.disabled_reason("m") or "")
+        assert "differ" in (gw.gateway.tokens.local.disabled_reason("m") or "")
         assert _sample(gw, mode, {"model": "m", "mode": "remote"}) == 1
         assert _sample(gw, mode, {"model": "m", "mode": "local"}) == 0
         # From now on the replica's /tokenize tokenizes for routing.
@@ -272,6 +271,7 @@ def test_local_tokenizing_routes_and_a_planted_template_falls_back(
         assert _sample(gw, "llmgw_prefix_tokenize_local_seconds_count", {"model": "m"}) == 1
 
 
+@pytest.mark.e2e
 def test_a_route_whose_profile_says_none_is_never_tokenized_here(
     sims: dict[str, tuple[SimProcess, Path]],
 ) -> None:
@@ -291,7 +291,7 @@ def test_a_route_whose_profile_says_none_is_never_tokenized_here(
     )
     with serve_gateway(table, KEYS, settings=settings, intake=_intake(),
                        tokenizer_files=files) as gw:  # fmt: skip
-        _wait(lambda: gw.gateway.local.mode("m") == "local", "the files load")
+        _wait(lambda: gw.gateway.tokens.local.mode("m") == "local", "the files load")
         _chat(gw, 0)
         assert (_sample(gw, local, {"model": "m"}), _sample(gw, remote, {"model": "m"})) == (1, 0)
         # The profile is edited to none: the route table the gateway reads next says so.
@@ -299,15 +299,15 @@ def test_a_route_whose_profile_says_none_is_never_tokenized_here(
         for i in (1, 2):
             _chat(gw, i)
         assert (_sample(gw, local, {"model": "m"}), _sample(gw, remote, {"model": "m"})) == (1, 2)
-        gw.gateway._report_tokenizer_modes()
+        gw.gateway.tokens.report_modes()
         assert _sample(gw, mode, {"model": "m", "mode": "remote"}) == 1
         assert _sample(gw, "llmgw_prefix_tokenizer_profile_none", {"model": "m"}) == 1
         # The files stayed loaded: the edit back tokenizes locally again at once.
-        assert gw.gateway.local.mode("m") == "local"
+        assert gw.gateway.tokens.local.mode("m") == "local"
         gw.gateway.routes.table = table  # type: ignore[misc]
         _chat(gw, 3)
         assert (_sample(gw, local, {"model": "m"}), _sample(gw, remote, {"model": "m"})) == (2, 2)
-        gw.gateway._report_tokenizer_modes()
+        gw.gateway.tokens.report_modes()
         assert _sample(gw, mode, {"model": "m", "mode": "local"}) == 1
         assert _sample(gw, "llmgw_prefix_tokenizer_profile_none", {"model": "m"}) == 0
 
@@ -348,6 +348,7 @@ def _lora_chat(url: str, model: str, question: str, headers: Mapping[str, str]) 
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+@pytest.mark.e2e
 def test_lora_prompts_hash_with_their_adapter(sims: dict[str, tuple[SimProcess, Path]]) -> None:
     replicas = [sims["tiny"][0], sims["tiny2"][0]]
     eps = tuple(
@@ -367,7 +368,7 @@ def test_lora_prompts_hash_with_their_adapter(sims: dict[str, tuple[SimProcess, 
     files = _Files({"m": read_tokenizer_dir(tiny_model_dir())})
     settings = GatewaySettings(tokenize_timeout_s=2.0, affinity_tokens=0)
     with serve_gateway(table, KEYS, settings=settings, intake=intake, tokenizer_files=files) as gw:
-        _wait(lambda: gw.gateway.local.mode("m") == "local", "the files load")
+        _wait(lambda: gw.gateway.tokens.local.mode("m") == "local", "the files load")
         hits = {"model": LORA[0], "method": "precise", "outcome": "hit"}
         for i in range(3):
             # Repeated adapter requests sharing the prompt: precise hits where it is held.

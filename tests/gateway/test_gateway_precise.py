@@ -15,7 +15,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from prometheus_client import CollectorRegistry
 
 from llmgw.config import GatewaySettings
@@ -23,9 +22,10 @@ from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.routing.router import HashParams
 from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.protocol.kvstream import KvDeltaRequest
+from tests.gateway.gateway_testkit import SIM_KEY, Key, Served, serve_gateway
 from tests.simengine.sim_process import HASH_SEED, SimProcess, start_sim, stop_sim
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 KEYS = {"s1": Key("k1", "plain"), "s2": Key("k2", "salted", cache_salt="tenant-2")}
 PLAIN = {"Authorization": "Bearer llmgw_k1_s1"}

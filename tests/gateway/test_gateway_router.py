@@ -4,18 +4,22 @@ tree, and build_table(). Table tests for the rules, hypothesis for the invariant
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.engines import ANY_ENGINE_LOAD_METRICS, LoadMetrics, engine_load_metrics
 from llmgw.gateway.routes import DeclaredRow, RouteRow, build_table
 from llmgw.gateway.routing.approx import ApproxTree, chunk_hashes
 from llmgw.gateway.routing.router import (
     Candidate,
     Decision,
     HashParams,
+    Inputs,
+    Rule,
     decide,
     home_key,
     hot_share,
@@ -81,7 +85,7 @@ def test_decide_rules(
     method: str,
     outcome: str,
 ) -> None:
-    d = decide(cands, policy="auto", precise=precise, approximate=approx, load_slack=4)
+    d = decide(cands, Rule("auto", load_slack=4), Inputs(precise=precise, approximate=approx))
     assert (d.replica, d.method, d.outcome) == (want, method, outcome)
 
 
@@ -104,7 +108,9 @@ def test_a_prefix_is_worth_the_wait_only_while_waiting_is_cheaper_than_recomputi
     # Request counts point the other way (rb is the busiest): work decides among eligible.
     cands = [_load(A, 0, works[0]), _load(B, 3, works[1]), _load(C, 1, works[2])]
     precise = dict(zip(("ra", "rb", "rc"), shares, strict=True))
-    d = decide(cands, policy="auto", precise=precise, prompt_tokens=1000, recompute_weight=1.5)
+    d = decide(
+        cands, Rule("auto", recompute_weight=1.5), Inputs(precise=precise, prompt_tokens=1000)
+    )
     assert (d.replica, d.outcome) == (want, outcome)
 
 
@@ -113,34 +119,34 @@ def test_only_what_the_index_shows_is_worth_waiting_past_the_break_even() -> Non
     # word keeps it on ra; the tree's claim (maybe long evicted) is weighed at 1: rb.
     cands = [_load(A, 0, 1200.0), _load(B, 0, 0.0)]
     shares = {"ra": 1.0, "rb": 0.0}
-    kw: dict[str, Any] = {"policy": "auto", "prompt_tokens": 1000, "recompute_weight": 3.0}
-    assert decide(cands, precise=shares, **kw).replica == "ra"
-    d = decide(cands, approximate=shares, **kw)
+    rule = Rule("auto", recompute_weight=3.0)
+    assert decide(cands, rule, Inputs(precise=shares, prompt_tokens=1000)).replica == "ra"
+    d = decide(cands, rule, Inputs(approximate=shares, prompt_tokens=1000))
     assert (d.replica, d.method, d.outcome) == ("rb", "approximate", "overloaded")
 
 
 def test_forced_policies() -> None:
     cands = [C, A, B]
-    rr = [decide(cands, policy="round_robin", rotation=i).replica for i in range(6)]
+    rr = [decide(cands, Rule("round_robin"), Inputs(rotation=i)).replica for i in range(6)]
     assert rr == ["ra", "rb", "rc", "ra", "rb", "rc"]
-    assert decide(cands, policy="random", pick=0.99).replica == "rb"
-    assert decide(cands, policy="random", pick=0.0).replica == "rc"
-    d = decide([_load(A, 5), B, C], policy="least_loaded", precise={"ra": 1.0})
+    assert decide(cands, Rule("random"), Inputs(pick=0.99)).replica == "rb"
+    assert decide(cands, Rule("random"), Inputs(pick=0.0)).replica == "rc"
+    d = decide([_load(A, 5), B, C], Rule("least_loaded"), Inputs(precise={"ra": 1.0}))
     assert d.method == "least_loaded" and d.replica in ("rb", "rc")
 
 
 def test_session_affinity_breaks_ties_and_is_stable() -> None:
     cands = [A, B, C]
     chosen = {
-        decide(cands, policy="auto", approximate={}, session="s1", rotation=i).replica
+        decide(cands, Rule("auto"), Inputs(approximate={}, session="s1", rotation=i)).replica
         for i in range(10)
     }
     assert len(chosen) == 1
     # Without a session, ties rotate so equal replicas share the work.
-    spread = {decide(cands, policy="least_loaded", rotation=i).replica for i in range(3)}
+    spread = {decide(cands, Rule("least_loaded"), Inputs(rotation=i)).replica for i in range(3)}
     assert spread == {"ra", "rb", "rc"}
     # Affinity never beats a longer prefix.
-    d = decide(cands, policy="auto", precise={"ra": 0.0, "rb": 0.0, "rc": 0.5}, session="s1")
+    d = decide(cands, Rule("auto"), Inputs(precise={"ra": 0.0, "rb": 0.0, "rc": 0.5}, session="s1"))
     assert d.replica == "rc"
 
 
@@ -156,13 +162,8 @@ def test_a_session_goes_home_within_the_affinity_tokens() -> None:
     def route(rotation: int, tokens: float, cs: list[Candidate] = cands) -> str:
         return decide(
             cs,
-            policy="auto",
-            precise=common,
-            prompt_tokens=1000,
-            recompute_weight=1.0,
-            affinity_tokens=tokens,
-            home=home,
-            rotation=rotation,
+            Rule("auto", recompute_weight=1.0, affinity_tokens=tokens),
+            Inputs(precise=common, prompt_tokens=1000, home=home, rotation=rotation),
         ).replica
 
     homes = {route(i, 1000.0) for i in range(5)}
@@ -182,11 +183,8 @@ def test_a_session_goes_home_within_the_affinity_tokens() -> None:
         spread.add(
             decide(
                 even,
-                policy="auto",
-                precise=common,
-                prompt_tokens=1000,
-                affinity_tokens=1000.0,
-                home=home_key(text, common.values()),
+                Rule("auto", affinity_tokens=1000.0),
+                Inputs(precise=common, prompt_tokens=1000, home=home_key(text, common.values())),
             ).replica
         )
     assert spread == {"ra", "rb", "rc"}
@@ -195,11 +193,12 @@ def test_a_session_goes_home_within_the_affinity_tokens() -> None:
     for g in range(10):
         d = decide(
             cands,
-            policy="auto",
-            precise=miss,
-            prompt_tokens=1000,
-            affinity_tokens=1000.0,
-            home=home_key(chunk_hashes(f"group {g} " * 40, 64), miss.values()),
+            Rule("auto", affinity_tokens=1000.0),
+            Inputs(
+                precise=miss,
+                prompt_tokens=1000,
+                home=home_key(chunk_hashes(f"group {g} " * 40, 64), miss.values()),
+            ),
         )
         assert (d.replica, d.outcome) == ("ra", "miss")
 
@@ -215,12 +214,8 @@ def test_chats_sharing_a_system_prompt_spread_over_homes_and_stay_there() -> Non
     def turn(chunks: list[int], shares: dict[str, float], tokens: int) -> Decision:
         return decide(
             [A, B, C],
-            policy="auto",
-            precise=shares,
-            prompt_tokens=tokens,
-            recompute_weight=3.0,
-            affinity_tokens=768.0,
-            home=home_key(chunks, shares.values()),
+            Rule("auto", recompute_weight=3.0, affinity_tokens=768.0),
+            Inputs(precise=shares, prompt_tokens=tokens, home=home_key(chunks, shares.values())),
         )
 
     firsts = {}
@@ -244,10 +239,8 @@ def test_chats_sharing_a_system_prompt_spread_over_homes_and_stay_there() -> Non
     without = {
         decide(
             [A, B, C],
-            policy="auto",
-            precise={"ra": 0.3, "rb": 0.0, "rc": 0.0},
-            prompt_tokens=600,
-            recompute_weight=3.0,
+            Rule("auto", recompute_weight=3.0),
+            Inputs(precise={"ra": 0.3, "rb": 0.0, "rc": 0.0}, prompt_tokens=600),
         ).replica
         for chat in range(24)
     }
@@ -282,13 +275,13 @@ def test_a_long_system_prompt_every_chat_opens_with_spreads_to_every_replica() -
             hot = hot_share(tree.fork_shares("m", chunks, now=step), len(chunks), shares.values())
             d = decide(
                 [A, B, C],
-                policy="auto",
-                precise=shares,
-                prompt_tokens=len(text) // 4,
-                recompute_weight=3.0,
-                affinity_tokens=768.0,
-                hot=hot,
-                home=home_key(chunks, shares.values()),
+                Rule("auto", recompute_weight=3.0, affinity_tokens=768.0),
+                Inputs(
+                    precise=shares,
+                    prompt_tokens=len(text) // 4,
+                    hot=hot,
+                    home=home_key(chunks, shares.values()),
+                ),
             )
             tree.record("m", chunks, d.replica, now=step)
             holds[d.replica].update(chunks)
@@ -336,19 +329,20 @@ def test_hot_share_is_the_deepest_prefix_with_fewer_copies_than_its_traffic_dese
 
 def test_a_hot_prefix_costs_nothing_to_recompute_and_a_cold_one_keeps_its_weight() -> None:
     held = {"ra": 0.8, "rb": 0.0, "rc": 0.0}
-    args: dict[str, Any] = {"policy": "auto", "precise": held, "prompt_tokens": 1000}
+    rule = Rule("auto")
+    cold = Inputs(precise=held, prompt_tokens=1000)
     busy = [_load(A, 1, work=1500.0), B, C]
     # Cold: waiting 1,500 tokens beats recomputing 800 at weight 3.
-    assert decide(busy, **args).replica == "ra"
+    assert decide(busy, rule, cold).replica == "ra"
     # Hot: recomputing the shared 80% counts as nothing; the rest (200 at weight 3) is the
     # same everywhere, so the least work wins, and the outcome still says a holder was passed.
-    d = decide(busy, **args, hot=0.8)
+    d = decide(busy, rule, replace(cold, hot=0.8))
     assert d.replica in ("rb", "rc") and d.outcome == "overloaded"
     # The part past the hot prefix keeps its weight: a holder of the whole prompt with 500
     # tokens queued stays (elsewhere the last 200 cost 600).
     whole = {"ra": 1.0, "rb": 0.8, "rc": 0.0}
     queued = [_load(A, 1, work=500.0), B, C]
-    assert decide(queued, **{**args, "precise": whole}, hot=0.8).replica == "ra"
+    assert decide(queued, rule, replace(cold, precise=whole, hot=0.8)).replica == "ra"
 
 
 def test_token_home_keys_name_leading_blocks_like_the_chunks_do() -> None:
@@ -377,19 +371,15 @@ def test_a_home_never_costs_more_than_the_affinity_tokens() -> None:
         shares = {r: (0.98 if r == held else 0.0) for r in ("ra", "rb", "rc")}
         d = decide(
             [A, B, C],
-            policy="auto",
-            precise=shares,
-            prompt_tokens=1832,
-            recompute_weight=3.0,
-            affinity_tokens=768.0,
-            home=home_key(chunks, shares.values()),
+            Rule("auto", recompute_weight=3.0, affinity_tokens=768.0),
+            Inputs(precise=shares, prompt_tokens=1832, home=home_key(chunks, shares.values())),
         )
         assert (d.replica, d.outcome) == (held, "hit")
 
 
 def test_decide_needs_a_candidate() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        decide([], policy="auto")
+        decide([], Rule("auto"))
 
 
 @st.composite
@@ -413,14 +403,13 @@ def test_a_request_goes_where_it_waits_and_recomputes_least(
     cands, shares, slack, tokens = world
     d = decide(
         cands,
-        policy="auto",
-        precise=shares,
-        load_slack=slack,
-        prompt_tokens=tokens,
-        recompute_weight=1.5,
-        affinity_tokens=affinity,
-        home=home_key(list(range(7, 7 + n_chunks)), shares.values()),
-        rotation=rotation,
+        Rule("auto", load_slack=slack, recompute_weight=1.5, affinity_tokens=affinity),
+        Inputs(
+            precise=shares,
+            prompt_tokens=tokens,
+            home=home_key(list(range(7, 7 + n_chunks)), shares.values()),
+            rotation=rotation,
+        ),
     )
     low = min(c.load for c in cands)
     eligible = [c for c in cands if c.load <= low + slack]
@@ -652,3 +641,24 @@ def test_a_deployed_model_without_live_replicas_is_known_not_unknown() -> None:
         "/a",
     )
     assert [e.replica for e in table.routes["m"].endpoints] == ["r1"]
+
+
+def test_each_endpoint_carries_its_engines_load_metrics() -> None:
+    # The gateway scrapes the names the replica's engine adapter reports its load under
+    # (store.routes reads them from the launched profile's engine), never its own list.
+    vllm, llama = engine_load_metrics("vllm"), engine_load_metrics("llamacpp")
+    rows = [
+        replace(_row("r1", engine="vllm"), load_metrics=vllm),
+        replace(_row("r2", engine="llamacpp"), load_metrics=llama),
+        _row("r3"),  # a row that says nothing: every engine's names
+    ]
+    eps = {ep.replica: ep for ep in build_table(rows, read_at=1.0).routes["m"].endpoints}
+    assert eps["r1"].load_metrics.running == ("vllm:num_requests_running",)
+    assert eps["r2"].load_metrics.waiting == ("llamacpp:requests_deferred",)
+    assert eps["r3"].load_metrics == ANY_ENGINE_LOAD_METRICS
+    assert set(vllm.running + llama.running) == set(ANY_ENGINE_LOAD_METRICS.running)
+    # The simulator exports vLLM's names; an engine without load metrics has none to read.
+    assert engine_load_metrics("sim") == vllm
+    assert engine_load_metrics("llama.cpp") == llama
+    assert engine_load_metrics("megatron") == LoadMetrics()
+    assert engine_load_metrics("an-engine-of-another-release") == ANY_ENGINE_LOAD_METRICS

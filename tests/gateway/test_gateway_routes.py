@@ -12,13 +12,14 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from structlog.testing import capture_logs
-from support.procs import free_port
 
 from llmgw.embedded_postgres import libpq_url
 from llmgw.gateway.routes import RouteCache
 from llmgw.store.catalog import CHANGE_CHANNEL
 from llmgw.store.database import create_engine, session_factory
-from tests.controlplane.agentapi_testkit import place_shard
+from llmgw.store.notify import NotifyHub
+from tests.controlplane.agentapi.agentapi_testkit import place_shard
+from tests.support.procs import free_port
 
 
 async def _sql(sessions: async_sessionmaker[AsyncSession], sql: str, **params: Any) -> None:
@@ -56,7 +57,9 @@ async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
             "(SELECT replica_id FROM shards WHERE id = :id)",
             id=b,
         )
-        cache = RouteCache(sessions, libpq_url=libpq_url(db_url), refresh_s=1.0)
+        hub = NotifyHub(libpq_url(db_url), application_name="llmgw-test-routes")
+        cache = RouteCache(sessions, notify=hub, refresh_s=1.0)
+        await hub.start()
         await cache.start()
         try:
             alpha, beta = cache.table.routes["alpha"], cache.table.routes["beta"]
@@ -136,6 +139,7 @@ async def test_routable_replicas_notify_and_fail_static(db_url: str) -> None:
             assert [e["event"] for e in logs] == ["gateway_routes_restored"]
         finally:
             await cache.stop()
+            await hub.stop()
     finally:
         await engine.dispose()
 
@@ -147,7 +151,9 @@ async def test_route_changes_reach_the_gateway_through_the_database_triggers(db_
     sessions = session_factory(engine)
     try:
         a = await place_shard(sessions, await _node(sessions), gpus=(0,), model="gamma")
-        cache = RouteCache(sessions, libpq_url=libpq_url(db_url), refresh_s=60.0)
+        hub = NotifyHub(libpq_url(db_url), application_name="llmgw-test-routes")
+        cache = RouteCache(sessions, notify=hub, refresh_s=60.0)
+        await hub.start()
         await cache.start()
         try:
             await asyncio.wait_for(cache.listening.wait(), timeout=5)
@@ -183,5 +189,6 @@ async def test_route_changes_reach_the_gateway_through_the_database_triggers(db_
             assert await after("UPDATE shards SET observed_state = 'exited' WHERE id = :id") == ()
         finally:
             await cache.stop()
+            await hub.stop()
     finally:
         await engine.dispose()

@@ -7,14 +7,17 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from keys_testkit import insert_key, revoke_key, sessions_on, until
-from pg_harness import PgServer
+from sqlalchemy.exc import DBAPIError
 from structlog.testing import capture_logs
 
 from llmgw.embedded_postgres import libpq_url
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.keys import KeyCache
 from llmgw.store.credentials import parse_api_key
+from llmgw.store.notify import NotifyHub
+from tests.gateway.keys_testkit import insert_key, revoke_key, sessions_on
+from tests.pg_harness import PgServer
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +49,7 @@ async def test_authenticate_accepts_live_keys_only(db_url: str) -> None:
         )
         _, gone = await insert_key(sessions, "carol")
         await revoke_key(sessions, "carol")
-        cache = KeyCache(sessions=sessions, libpq_url=libpq_url(db_url), clock=lambda: now[0])
+        cache = KeyCache(sessions=sessions, notify=None, clock=lambda: now[0])
         await cache.start()
         try:
             ctx = cache.authenticate(f"Bearer {good}")
@@ -79,10 +82,12 @@ async def test_revocation_reaches_a_running_cache_within_a_second(db_url: str) -
     async with sessions_on(db_url) as sessions:
         _, key = await insert_key(sessions, "tenant")
         # The periodic refresh is far away: only the NOTIFY can make this fast.
-        cache = KeyCache(sessions=sessions, libpq_url=libpq_url(db_url), refresh_interval_s=300)
+        hub = NotifyHub(libpq_url(db_url), application_name="llmgw-test-keys")
+        cache = KeyCache(sessions=sessions, notify=hub, refresh_interval_s=300)
+        await hub.start()
         await cache.start()
         try:
-            await until(lambda: cache.listening, timeout_s=10, what="the LISTEN connection")
+            await until(cache.listening.is_set, timeout_s=10, what="the LISTEN connection")
             assert cache.authenticate(f"Bearer {key}").name == "tenant"
             # A key created after start is usable as soon as the NOTIFY lands, too.
             _, late = await insert_key(sessions, "late")
@@ -103,6 +108,7 @@ async def test_revocation_reaches_a_running_cache_within_a_second(db_url: str) -
             assert time.monotonic() - started < 1.0
         finally:
             await cache.stop()
+            await hub.stop()
 
 
 async def test_keys_keep_working_while_postgres_is_unreachable(
@@ -111,13 +117,16 @@ async def test_keys_keep_working_while_postgres_is_unreachable(
     async with sessions_on(db_url) as sessions:
         _, key = await insert_key(sessions, "steady")
         _, other = await insert_key(sessions, "revoked-later")
-        cache = KeyCache(sessions=sessions, libpq_url=libpq_url(db_url), refresh_interval_s=0.2)
+        hub = NotifyHub(libpq_url(db_url), application_name="llmgw-test-keys")
+        cache = KeyCache(sessions=sessions, notify=hub, refresh_interval_s=0.2)
+        await hub.start()
         await cache.start()
         try:
-            await until(lambda: cache.listening, timeout_s=10, what="the LISTEN connection")
+            await until(cache.listening.is_set, timeout_s=10, what="the LISTEN connection")
             with capture_logs() as logs, pg_server.offline(db_url):
-                await until(lambda: not cache.listening, timeout_s=10, what="the listener to drop")
-                with pytest.raises(Exception):  # noqa: B017 - whatever the driver raises
+                await until(lambda: not cache.listening.is_set(), timeout_s=10,
+                            what="the listener to drop")  # fmt: skip
+                with pytest.raises(DBAPIError):  # the driver's error, as SQLAlchemy wraps it
                     await cache.refresh()
                 generation = cache.generation
                 await until(
@@ -137,6 +146,7 @@ async def test_keys_keep_working_while_postgres_is_unreachable(
             assert cache.authenticate(f"Bearer {key}").name == "steady"
         finally:
             await cache.stop()
+            await hub.stop()
 
 
 async def test_before_the_first_load_requests_get_503_not_401(
@@ -145,9 +155,11 @@ async def test_before_the_first_load_requests_get_503_not_401(
     async with sessions_on(db_url) as sessions:
         _, key = await insert_key(sessions, "early")
         with pg_server.offline(db_url):
-            cache = KeyCache(sessions=sessions, libpq_url=libpq_url(db_url), refresh_interval_s=60)
+            hub = NotifyHub(libpq_url(db_url), application_name="llmgw-test-keys")
+            cache = KeyCache(sessions=sessions, notify=hub, refresh_interval_s=60)
             with capture_logs() as logs:
                 await cache.start()
+            await hub.start()
             try:
                 assert [e["event"] for e in logs] == ["api_keys_load_failed"]
                 err = _refused(cache, f"Bearer {key}")
@@ -157,9 +169,11 @@ async def test_before_the_first_load_requests_get_503_not_401(
                 assert _refused(cache, "Bearer junk").status == 401  # malformed: still 401
             except BaseException:
                 await cache.stop()
+                await hub.stop()
                 raise
         try:
             await until(lambda: cache.loaded, timeout_s=15, what="the first load after the outage")
             assert cache.authenticate(f"Bearer {key}").name == "early"
         finally:
             await cache.stop()
+            await hub.stop()

@@ -7,12 +7,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from keys_testkit import insert_key, sessions_on
 
 from llmgw.gateway.accounting import UsageRecorder
 from llmgw.gateway.errors import GatewayError
 from llmgw.gateway.keys import KeyContext
 from llmgw.gateway.limits import Limiter
+from tests.gateway.keys_testkit import insert_key, sessions_on
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 
 import msgpack
+import pytest
 
 from llmgw.kv import BlockStored, EventBatch, block_hashes, encode_batch, hash64
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 

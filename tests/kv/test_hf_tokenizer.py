@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.errors import SpecError
 from llmgw.gateway.local_tokens import LocalTokenizers, Verdict
 from llmgw.kv.hf_tokenizer import (
     MAX_FILE_BYTES,
@@ -52,19 +53,19 @@ def test_the_segment_cache_is_bounded_by_entries_and_characters() -> None:
 
 def test_a_template_that_raises_or_an_empty_chat_is_the_callers_error() -> None:
     tok = HfTokenizer(TINY)
-    with pytest.raises(Exception, match="messages is empty"):
+    with pytest.raises(SpecError, match="messages is empty"):
         tok.render_chat([])
-    with pytest.raises(Exception, match="both true"):
+    with pytest.raises(SpecError, match="both true"):
         tok.render_chat([{"role": "user", "content": "x"}], continue_final_message=True)
     config = json.loads(TINY.files["tokenizer_config.json"])
     config["chat_template"] = "{{ raise_exception('no system role') }}"
     files = TokenizerFiles({**TINY.files, "tokenizer_config.json": json.dumps(config).encode()})
-    with pytest.raises(Exception, match="no system role"):
+    with pytest.raises(SpecError, match="no system role"):
         HfTokenizer(files).render_chat([{"role": "user", "content": "x"}])
     # The sandbox: a template cannot reach Python's internals.
     config["chat_template"] = "{{ messages.__class__.__mro__ }}"
     files = TokenizerFiles({**TINY.files, "tokenizer_config.json": json.dumps(config).encode()})
-    with pytest.raises(Exception):  # noqa: B017 - jinja2's SecurityError, whatever its wrapping
+    with pytest.raises(SpecError, match="unsafe"):  # jinja2's SecurityError, as the caller's
         HfTokenizer(files).render_chat([{"role": "user", "content": "x"}])
 
 

@@ -9,13 +9,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pg_harness import PgServer
-from support.procs import agent_port_base, free_port
 
 from llmgw.nodeagent.procs import kill_marked
 from tests.nodeagent.agent_harness import AgentProcess
 from tests.nodeagent.protocol_server import ProtocolServer, protocol_server
 from tests.nodeagent.realcp import RealControlPlane
+from tests.pg_harness import PgServer
+from tests.support.e2e_guard import spawns_processes
+from tests.support.procs import agent_port_base, free_port
 
 
 @pytest.fixture
@@ -25,6 +26,7 @@ def cp() -> Iterator[ProtocolServer]:
 
 
 @pytest.fixture
+@spawns_processes
 def realcp(pg_server: PgServer, _pg_template: str, tmp_path: Path) -> Iterator[RealControlPlane]:
     name = pg_server.new_name("agentcp")
     db_url = pg_server.create_database(name, template=_pg_template)
@@ -51,6 +53,7 @@ def shard_ids() -> Iterator[Callable[[str], str]]:
 
 
 @pytest.fixture
+@spawns_processes
 def agent_factory(tmp_path: Path, cp: ProtocolServer) -> Iterator[Callable[..., AgentProcess]]:
     agents: list[AgentProcess] = []
     base = agent_port_base()

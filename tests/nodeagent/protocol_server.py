@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from llmgw.protocol import (
     SyncRequest,
     SyncResponse,
 )
+from tests.support.waiting import wait_for
 
 __all__ = ["NodeEntry", "ProtocolServer", "protocol_server"]
 
@@ -239,11 +239,13 @@ class ProtocolServer:
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
         thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"protocol test server did not start on port {self.port}")
-            time.sleep(0.01)
+
+        def started() -> bool:
+            assert thread.is_alive(), f"protocol test server's thread ended (port {self.port})"
+            return bool(server.started)
+
+        what = f"the protocol test server to start on port {self.port}"
+        wait_for(started, timeout_s=10, what=what, interval_s=0.01)
         self._server, self._thread = server, thread
 
     def down(self) -> None:

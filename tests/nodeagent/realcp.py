@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 import psycopg
-from support.procs import free_port, llmgw_cmd, stop_process, wait_http_ok
 
 from llmgw.embedded_postgres import libpq_url
+from tests.support.procs import free_port, llmgw_cmd, stop_process, wait_http_ok
 
 __all__ = ["RealControlPlane", "engine_blocks", "kv_agreement", "sim_deployment"]
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.procs import wait_for
 
 from llmgw.nodeagent.procs import is_alive, marked_pids, proc_start_time
 from llmgw.nodeagent.records import read_procs, read_record, write_model
 from llmgw.protocol import DesiredShard, ShardBinding
 from tests.nodeagent.agent_harness import AgentProcess, sim_shard
 from tests.nodeagent.protocol_server import ProtocolServer
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

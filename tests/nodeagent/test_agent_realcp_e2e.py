@@ -29,8 +29,6 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from simengine.sim_process import start_sim, stop_sim
-from support.procs import agent_port_base, free_port, wait_for
 
 from llmgw.nodeagent.kvrelay.relay import KvRelay
 from llmgw.nodeagent.kvrelay.stream import StreamTiming
@@ -45,6 +43,9 @@ from llmgw.protocol.sync import (
 )
 from tests.nodeagent.agent_harness import AgentProcess
 from tests.nodeagent.realcp import RealControlPlane, engine_blocks, kv_agreement, sim_deployment
+from tests.simengine.sim_process import start_sim, stop_sim
+from tests.support.procs import agent_port_base, free_port
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 

@@ -24,11 +24,12 @@ from typing import Any
 
 import httpx
 import pytest
-from support.procs import agent_port_base, free_port, wait_for
 
 from llmgw.nodeagent.procs import is_alive, kill_marked, marked_pids
 from tests.nodeagent.agent_harness import AgentProcess
 from tests.nodeagent.realcp import RealControlPlane
+from tests.support.procs import agent_port_base, free_port
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.procs import free_port, wait_for
 
 from llmgw.nodeagent.exits import refresh_engine_pid
 from llmgw.nodeagent.frontdoor import FrontDoorLaunch
@@ -25,8 +24,10 @@ from llmgw.nodeagent.records import ShardRecord, read_exit, read_procs
 from llmgw.nodeagent.runtime import ShardRuntime
 from llmgw.nodeagent.shardrun import EXIT_LAUNCH_FAILED
 from tests.nodeagent.test_shardrun import Wrapper, _py
+from tests.support.procs import free_port
+from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 KEY = "shard-key-0123456789"
 SCRAPE = "scrape-token-0123456789"

@@ -24,8 +24,6 @@ import pytest
 import zmq
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from simengine.sim_process import SimProcess, start_sim, stop_sim
-from support.procs import free_port
 
 from llmgw.kv import PrefixIndex
 from llmgw.kv.shard_views import PlacedShard, ShardViews
@@ -37,6 +35,9 @@ from llmgw.protocol.kvstream import (
     KvStreamError,
     decode_kv_request,
 )
+from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
+from tests.support.procs import free_port
+from tests.support.waiting import WaitTimeout, until
 
 pytestmark = pytest.mark.e2e
 
@@ -145,14 +146,17 @@ async def complete(
 
 async def eventually(check: Callable[[], Awaitable[str | None]], *, timeout_s: float) -> None:
     """Await until ``check`` returns None (agreement); fail with its last complaint."""
-    deadline = time.monotonic() + timeout_s
     complaint: str | None = "never checked"
-    while time.monotonic() < deadline:
+
+    async def agreed() -> bool:
+        nonlocal complaint
         complaint = await check()
-        if complaint is None:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"views never agreed within {timeout_s}s: {complaint}")
+        return complaint is None
+
+    try:
+        await until(agreed, timeout_s=timeout_s, what="the views to agree", interval_s=0.05)
+    except WaitTimeout:
+        raise AssertionError(f"views never agreed within {timeout_s}s: {complaint}") from None
 
 
 def agreement(

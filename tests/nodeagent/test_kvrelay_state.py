@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import pytest
 import zmq
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from support.procs import free_port, wait_for
 
 from llmgw.kv import BlockStored, EventBatch, encode_batch, encode_message
 from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.nodeagent.kvrelay.relay import KvRelay
 from llmgw.protocol.kvstream import KV_PATH, decode_kv_request
+from tests.support.procs import free_port
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,6 +141,7 @@ async def test_mirrors_of_an_older_agent_in_kv_kv_are_moved_and_reloaded(tmp_pat
         await relay.close()
 
 
+@pytest.mark.e2e
 def test_bench_runs_and_reports_the_ratio() -> None:
     out = subprocess.run(
         [sys.executable, "bench/agent_kvrelay.py", "--batches", "300"],

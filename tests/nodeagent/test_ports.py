@@ -7,11 +7,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from support.procs import agent_port_base
 
 from llmgw.config import AgentSettings
 from llmgw.errors import ConfigError
-from llmgw.nodeagent.agent import _check_port_ranges
+from llmgw.nodeagent.agent_validation import check_port_ranges
 from llmgw.nodeagent.inventory.file import FileGpuSource, InventoryFile
 from llmgw.nodeagent.launch import Launcher
 from llmgw.nodeagent.ports import PortAllocator
@@ -21,6 +20,7 @@ from llmgw.nodeagent.runtime import ShardRuntime
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from tests.nodeagent.agent_harness import sim_shard
 from tests.nodeagent.test_prepare_policy import REGISTRY, facts
+from tests.support.procs import agent_port_base
 
 
 def test_a_kept_port_is_renewed_only_when_another_process_holds_it() -> None:
@@ -47,7 +47,6 @@ def _launcher(tmp: Path, engine_ports: tuple[int, int], door_ports: tuple[int, i
             proxy_port_range=door_ports,
             proxy_metrics_token="scrape-token-0123456789",
         ),
-        facts=facts,
         gpu_source=FileGpuSource(InventoryFile()),
         wrapper_env={},
         boot_id="boot",
@@ -60,7 +59,7 @@ def test_a_leader_gets_a_front_door_port_of_its_own_range_kept_across_restarts(
     base = agent_port_base()
     launcher = _launcher(tmp_path, (base, base + 47), (base + 48, base + 63))
     p = prepare(sim_shard("s"), REGISTRY, facts())
-    first = launcher.build(p, tmp_path / "s", None)
+    first = launcher.build(p, tmp_path / "s", None, facts=facts())
     assert base + 48 <= first.proxy_port <= base + 63
     assert base <= first.ports.http_port <= base + 47
     door = launcher._front_door(first)
@@ -82,29 +81,31 @@ def test_a_leader_gets_a_front_door_port_of_its_own_range_kept_across_restarts(
         proxy_port=first.proxy_port,
     )  # fmt: skip
     prev = ShardRuntime(shard_id="s", dir=tmp_path / "s", record=rec, phase="exited")
-    assert launcher.build(p, tmp_path / "s", prev).proxy_port == first.proxy_port
+    assert launcher.build(p, tmp_path / "s", prev, facts=facts()).proxy_port == first.proxy_port
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", first.proxy_port))
         squatter.listen()
-        moved = launcher.build(p, tmp_path / "s", prev).proxy_port
+        moved = launcher.build(p, tmp_path / "s", prev, facts=facts()).proxy_port
         assert moved != first.proxy_port and base + 48 <= moved <= base + 63
     # An adopting agent holds a recorded port: no other shard is given it.
     other = _launcher(tmp_path, (base, base + 47), (base + 48, base + 48 + 1))
     other.hold(rec.model_copy(update={"proxy_port": base + 48}))
     q = prepare(sim_shard("t"), REGISTRY, facts())
-    assert other.build(q, tmp_path / "t", None).proxy_port == base + 49
+    assert other.build(q, tmp_path / "t", None, facts=facts()).proxy_port == base + 49
 
 
 def test_no_front_door_without_a_key_to_check() -> None:
     base = agent_port_base()
     launcher = _launcher(Path("/nonexistent"), (base, base + 47), (base + 48, base + 63))
     keyless = sim_shard("s").model_copy(update={"engine_api_key": ""})
-    pending = launcher.build(prepare(keyless, REGISTRY, facts()), Path("/nonexistent/s"), None)
+    pending = launcher.build(
+        prepare(keyless, REGISTRY, facts()), Path("/nonexistent/s"), None, facts=facts()
+    )
     assert pending.proxy_port == 0 and launcher._front_door(pending) is None
 
 
 def test_front_door_and_engine_ranges_may_not_meet() -> None:
-    _check_port_ranges(AgentSettings())  # the defaults: 19000-19999 and 20000-29999
+    check_port_ranges(AgentSettings())  # the defaults: 19000-19999 and 20000-29999
     overlapping = AgentSettings(proxy_port_range_start=29000, proxy_port_range_end=30999)
     with pytest.raises(ConfigError, match=r"overlaps agent\.port_range 20000-29999; move one"):
-        _check_port_ranges(overlapping)
+        check_port_ranges(overlapping)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from simengine.sim_process import SimProcess, start_sim, stop_sim
 
 from llmgw.nodeagent.proxy import EngineProxy, ProxyRoute, split_path
+from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
 
 pytestmark = pytest.mark.e2e
 
@@ -231,7 +231,7 @@ async def test_bodies_over_the_cap_are_413(proxy: str) -> None:
 
 async def test_an_engine_that_is_down_is_502(tmp_path: Path) -> None:
     p = EngineProxy("127.0.0.1", 0)
-    from support.procs import free_port
+    from tests.support.procs import free_port
 
     p.set_routes({"gone": ProxyRoute(free_port(), KEY)})
     port = await p.start()

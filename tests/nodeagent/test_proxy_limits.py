@@ -20,13 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from support.procs import agent_port_base, free_port, wait_for
-from support.raw_http import closed_within, connect, exchange, status
 
 from llmgw.nodeagent.metrics import DEFAULT_LIMITS as METRICS_LIMITS
 from llmgw.nodeagent.metrics import EndpointServer
 from llmgw.nodeagent.proxy import DEFAULT_LIMITS, EngineProxy, ProxyRoute
 from tests.nodeagent.agent_harness import AgentProcess
+from tests.support.procs import agent_port_base, free_port
+from tests.support.raw_http import closed_within, connect, exchange, status
+from tests.support.waiting import until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,10 +85,7 @@ async def _proxy(upstream_port: int, **limits: object) -> EngineProxy:
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], *, timeout_s: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)  # polls a server's state: there is no event to wait on
+    await until(condition, timeout_s=timeout_s, what=what)  # a server's state: no event to wait on
 
 
 async def _get(port: int, path: str) -> int:
@@ -233,6 +231,7 @@ async def test_a_connection_answered_and_lingering_is_evicted_like_any_idle_one(
         await proxy.stop()
 
 
+@pytest.mark.e2e
 def test_the_agent_raises_its_descriptor_limit_fits_its_caps_and_runs_on_uvloop(
     tmp_path: Path,
 ) -> None:

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from support.procs import wait_for
 
 from llmgw.nodeagent import procs
 from llmgw.nodeagent.records import (
@@ -23,6 +22,7 @@ from llmgw.nodeagent.records import (
     write_model,
 )
 from llmgw.nodeagent.state import AgentState, NodeIdentity, next_epoch
+from tests.support.waiting import wait_for
 
 
 def _record(shard_id: str) -> ShardRecord:
@@ -116,6 +116,7 @@ def test_identity_is_private_and_never_in_repr(tmp_path: Path) -> None:
     assert "cred-abc-123" not in repr(ident)
 
 
+@pytest.mark.e2e
 def test_process_identity_from_proc() -> None:
     assert procs.boot_id()
     me = procs.proc_start_time(os.getpid())

@@ -20,21 +20,21 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.procs import free_port, wait_for
 
 from llmgw.engines import Command, CommandFile
 from llmgw.nodeagent import procs
 from llmgw.nodeagent.exits import found_exited
 from llmgw.nodeagent.inventory.file import FileGpuSource, InventoryFile
 from llmgw.nodeagent.launch import Launcher
-from llmgw.nodeagent.prepare import NodeFacts
 from llmgw.nodeagent.procs import MARKER_ENV, is_alive, kill_marked, marked_pids
 from llmgw.nodeagent.records import ShardRecord, read_exit, read_procs, read_record, write_model
 from llmgw.nodeagent.runtime import ShardRuntime
 from llmgw.nodeagent.shardrun import EXIT_LAUNCH_FAILED, RotatingLog, ShardLaunch
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
+from tests.support.procs import free_port
+from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
 def _py(name: str, code: str, **kw: object) -> Command:
@@ -286,10 +286,6 @@ def _next_agent_reads(w: Wrapper) -> ShardRuntime:
     return rt
 
 
-def _no_facts() -> NodeFacts:
-    raise AssertionError("stopping a shard needs no node facts")
-
-
 async def test_a_stop_the_agent_asked_for_reads_back_as_that_stop_not_as_a_crash(
     tmp_path: Path,
 ) -> None:
@@ -302,7 +298,6 @@ async def test_a_stop_the_agent_asked_for_reads_back_as_that_stop_not_as_a_crash
         rt = _adopted(w)
         launcher = Launcher(
             SupervisorConfig(shards_root=tmp_path, wrapper_argv=(), stop_grace_s=1.0),
-            facts=_no_facts,
             gpu_source=FileGpuSource(InventoryFile()),
             wrapper_env={},
             boot_id=procs.boot_id(),

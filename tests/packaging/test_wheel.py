@@ -19,12 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.procs import free_port, stop_process, wait_http_ok
 
 from llmgw.store import migrations
+from tests.support.procs import free_port, stop_process, wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.packaging, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.packaging, pytest.mark.timeout(120)]
 
 # What a build reads; copied out so the build writes its build/ and egg-info nowhere near the
 # checkout other work shares.

@@ -17,15 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.llama_build import build_llama_server
-from support.tiny_gguf import write_tiny_gguf
+
+from tests.conftest import may_run_real_engines
+from tests.support.llama_build import build_llama_server
+from tests.support.tiny_gguf import write_tiny_gguf
 
 _BUILT = pytest.StashKey[tuple[str, str]]()  # (binary path or "", why not)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Only when a collected test runs llama-server: vLLM's publisher tests need no build.
-    if any("llama_server" in getattr(item, "fixturenames", ()) for item in session.items):
+    if may_run_real_engines(session.config) and any(
+        "llama_server" in getattr(item, "fixturenames", ()) for item in session.items
+    ):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         say = reporter.write_line if reporter is not None else (lambda _line: None)
         session.config.stash[_BUILT] = build_llama_server(say)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import openai
 import pytest
-from support.procs import agent_port_base, free_port, llmgw_cmd, wait_for
 
 from tests.e2e.fleet_harness import ReadyShard, pid_alive
 from tests.gateway.gateway_fleet import GatewayFleet, metric_value
 from tests.nodeagent.agent_harness import AgentProcess
+from tests.support.procs import agent_port_base, free_port, llmgw_cmd
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.e2e, pytest.mark.timeout(240)]
 

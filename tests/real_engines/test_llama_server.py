@@ -19,13 +19,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.procs import free_port, stop_process, wait_for
-from support.tiny_gguf import TINY_MODEL_DIR
 from tokenizers import Tokenizer
 
 from llmgw.engines import EngineRegistry, EnginesConfig, LlamaCppConfig, Profile, ShardSpec
+from tests.support.procs import free_port, stop_process
+from tests.support.tiny_gguf import TINY_MODEL_DIR
+from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.real_engine
+pytestmark = [pytest.mark.e2e, pytest.mark.real_engine]
 
 KEY = "sk-real-llama-0123456789"
 MODEL = "tiny"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.procs import llmgw_cmd, wait_for
 
+from tests.support.procs import llmgw_cmd
+from tests.support.waiting import wait_for
 from tests.up.up_harness import Up
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from support.vllm_source import NEWEST, OLDER, SourceUnavailable, fetch, load_block_hashing
 
 from llmgw.kv import block_hashes, hash64
+from tests.support.vllm_source import NEWEST, OLDER, SourceUnavailable, fetch, load_block_hashing
 
 pytestmark = pytest.mark.real_engine
 

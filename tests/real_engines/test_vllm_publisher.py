@@ -45,13 +45,14 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from support.procs import agent_port_base, free_port, wait_for
-from support.vllm_source import NEWEST, OLDER, SourceUnavailable, fetch, load_kv_events
 
 from llmgw.kv import decode_batch
 from llmgw.nodeagent.procs import kill_marked
 from tests.nodeagent.agent_harness import AgentProcess
 from tests.nodeagent.realcp import RealControlPlane
+from tests.support.procs import agent_port_base, free_port
+from tests.support.vllm_source import NEWEST, OLDER, SourceUnavailable, fetch, load_kv_events
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -6,10 +6,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from simengine.sim_process import SimProcess, start_sim, stop_sim
+from tests.simengine.sim_process import SimProcess, start_sim, stop_sim
+from tests.support.e2e_guard import spawns_processes
 
 
 @pytest.fixture(scope="module")
+@spawns_processes
 def sim_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., SimProcess]]:
     started: list[SimProcess] = []
     tmp = tmp_path_factory.mktemp("simengine")

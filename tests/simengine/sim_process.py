@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from support.procs import free_port
+
+from tests.support.procs import free_port
+from tests.support.waiting import WaitTimeout, wait_for
 
 API_KEY = "sim-test-key"
 HASH_SEED = "4242"
@@ -56,22 +57,22 @@ def start_sim(
             env=full_env,
         )
     sim = SimProcess(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + deadline_s
     with httpx.Client(timeout=2) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"simengine exited with {proc.returncode}:\n{sim.log()}")
-            try:
-                status = client.get(f"{sim.base_url}/health").status_code
-            except httpx.TransportError:
-                time.sleep(0.05)
-                continue
+
+        def healthy() -> bool:
+            assert proc.poll() is None, f"simengine exited with {proc.returncode}:\n{sim.log()}"
+            status = client.get(f"{sim.base_url}/health").status_code  # refused: not yet
             sim.health_statuses.append(status)
-            if status == 200:
-                return sim
-            time.sleep(0.05)
-    stop_sim(sim)
-    raise RuntimeError(f"simengine not healthy within {deadline_s}s:\n{sim.log()}")
+            return status == 200
+
+        try:
+            wait_for(healthy, timeout_s=deadline_s, what="simengine's /health", interval_s=0.05)
+        except WaitTimeout:
+            stop_sim(sim)
+            raise AssertionError(
+                f"simengine not healthy within {deadline_s}s:\n{sim.log()}"
+            ) from None
+    return sim
 
 
 def stop_sim(sim: SimProcess) -> None:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from simengine.sim_process import API_KEY, SimProcess
+from tests.simengine.sim_process import API_KEY, SimProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from simengine.sim_process import SimProcess
+from tests.simengine.sim_process import SimProcess
 
 pytestmark = pytest.mark.e2e
 

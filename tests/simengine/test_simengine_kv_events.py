@@ -26,7 +26,7 @@ from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from llmgw.kv.frames import decode_message, decode_replay_reply, encode_replay_request
 from llmgw.kv.hashing import block_hashes, hash64
 from llmgw.kv.mirror import BlockMirror
-from simengine.sim_process import HASH_SEED, SimProcess, free_port
+from tests.simengine.sim_process import HASH_SEED, SimProcess, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -33,6 +33,7 @@ def test_vocabulary_is_model_sized_and_prose_compresses() -> None:
     assert max(ids) > 10_000  # ids spread over the vocabulary like a real model's
 
 
+@pytest.mark.e2e
 def test_tokens_are_identical_in_another_process() -> None:
     # The router tokenizes through one replica and hashes; another replica must agree, whatever
     # its PYTHONHASHSEED (str hashing is randomised per process, so a hash-based vocab would not).

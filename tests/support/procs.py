@@ -1,4 +1,5 @@
-"""Real processes and ports for tests: free ports, waiting on conditions with deadlines."""
+"""Real processes and ports for tests: free ports, the `llmgw` command, waiting for a server's
+HTTP answer, stopping a process."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
 
-__all__ = ["free_port", "llmgw_cmd", "stop_process", "wait_for", "wait_http_ok"]
+from tests.support.waiting import WaitTimeout, wait_for
+
+__all__ = ["free_port", "llmgw_cmd", "stop_process", "wait_http_ok"]
 
 T = TypeVar("T")
 
@@ -51,31 +52,6 @@ def llmgw_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmgw", *args]
 
 
-def wait_for(
-    condition: Callable[[], T | None], *, timeout_s: float, what: str, interval_s: float = 0.05
-) -> T:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` at the deadline.
-
-    Other exceptions mean "not yet" (a server still starting); an AssertionError from the
-    condition means "never" (the process under test exited) and fails at once.
-    """
-    deadline = time.monotonic() + timeout_s
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-            if value:
-                return value
-        except AssertionError:
-            raise
-        except Exception as exc:  # the condition may fail until it holds
-            last_exc = exc
-        time.sleep(interval_s)
-    raise AssertionError(
-        f"timed out after {timeout_s}s waiting for {what} (last error: {last_exc!r})"
-    )
-
-
 def wait_http_ok(
     url: str,
     *,
@@ -94,13 +70,11 @@ def wait_http_ok(
         except httpx.HTTPError:
             return False
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ready():
-            return
-        time.sleep(0.05)
-    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"{url} not ready after {timeout_s}s:\n{tail}")
+    try:
+        wait_for(ready, timeout_s=timeout_s, what=f"{url} to answer 200")
+    except WaitTimeout as exc:
+        tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+        raise AssertionError(f"{url} not ready after {timeout_s}s:\n{tail}") from exc
 
 
 def stop_process(

@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.raw_http import closed_within, connect, exchange, status
 
+from tests.support.raw_http import closed_within, connect, exchange, status
 from tests.up.up_harness import Up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

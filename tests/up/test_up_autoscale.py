@@ -13,10 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
-from support.procs import wait_for
-from up_harness import Up
 
-pytestmark = pytest.mark.timeout(180)
+from tests.support.waiting import wait_for
+from tests.up.up_harness import Up
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 _POLICY = """\
 kind: deployment

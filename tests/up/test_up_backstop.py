@@ -10,13 +10,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support.procs import wait_for
 
 from llmgw.nodeagent import procs
 from llmgw.nodeagent.records import ShardRecord, read_record, write_model
 from llmgw.up.children import stop_orphan_engines
+from tests.support.waiting import wait_for
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
 
 def test_engines_an_agent_left_are_killed_and_their_records_note_the_stop(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
-from support.procs import wait_for
 
+from tests.support.waiting import wait_for
 from tests.up.up_harness import Up, our_pids, shard_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -18,9 +18,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 import pytest
-from up_harness import Up
 
-pytestmark = pytest.mark.timeout(240)
+from tests.up.up_harness import Up
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 BURST = int(os.environ.get("LLMGW_TEST_OVERLOAD_BURST", "6000"))
 

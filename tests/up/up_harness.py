@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from support.procs import free_port, llmgw_cmd, stop_process, wait_for
 
 from llmgw.nodeagent.procs import MARKER_ENV
+from tests.support.procs import free_port, llmgw_cmd, stop_process
+from tests.support.waiting import wait_for
 
 __all__ = ["Up", "our_pids", "shard_ids"]
 

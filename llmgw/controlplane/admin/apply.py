@@ -35,7 +35,8 @@ from llmgw.controlplane.admin.deployments import deployment_out, save_deployment
 from llmgw.controlplane.admin.diff import field_changes
 from llmgw.controlplane.admin.models import model_out
 from llmgw.controlplane.admin.profiles import profile_fields, profile_out, save_profile_changes
-from llmgw.controlplane.admin.schemas import DeploymentCreate, ErrorBody, ModelCreate, ProfileCreate
+from llmgw.controlplane.admin.schemas import ErrorBody, ModelCreate
+from llmgw.controlplane.admin.schemas_deployments import DeploymentCreate
 from llmgw.controlplane.admin.schemas_fleet import (
     ApplyBody,
     ApplyChange,
@@ -43,6 +44,7 @@ from llmgw.controlplane.admin.schemas_fleet import (
     ApplyReply,
     ApplyResult,
 )
+from llmgw.controlplane.admin.schemas_profiles import ProfileCreate
 from llmgw.errors import LlmgwError
 from llmgw.http.errors import printable
 from llmgw.store import catalog

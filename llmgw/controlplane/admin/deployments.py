@@ -27,14 +27,14 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
-from llmgw.controlplane.admin.schemas import (
+from llmgw.controlplane.admin.schemas import Page
+from llmgw.controlplane.admin.schemas_deployments import (
     AutoscaleBody,
     AutoscaleStatusOut,
     DeploymentCreate,
     DeploymentOut,
     DeploymentStatusOut,
     DeploymentUpdate,
-    Page,
     ScaleBody,
     check_rollout_budget,
 )

@@ -26,9 +26,9 @@ from llmgw.controlplane.admin.common import (
     path_name,
     update,
 )
-from llmgw.controlplane.admin.schemas import (
+from llmgw.controlplane.admin.schemas import Page
+from llmgw.controlplane.admin.schemas_profiles import (
     AdapterBody,
-    Page,
     ProfileCreate,
     ProfileOut,
     ProfileUpdate,

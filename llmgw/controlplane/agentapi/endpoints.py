@@ -37,11 +37,20 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.responses import Response
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal, protocol_error
+from llmgw.controlplane.agentapi.errors import refusal
 from llmgw.controlplane.agentapi.service import AgentApi, unauthorized
 from llmgw.controlplane.agentapi.tokenizers import store_tokenizer
 from llmgw.controlplane.instances import InstanceIdentity
-from llmgw.errors import clip
+from llmgw.errors import (
+    BodyTooLargeError,
+    ConflictError,
+    DatabaseUnavailableError,
+    LlmgwError,
+    MalformedJsonError,
+    ProtocolVersionError,
+    SpecError,
+    clip,
+)
 from llmgw.http.bodies import (
     BadJson,
     BodyTooLarge,
@@ -83,9 +92,7 @@ async def _read_body(request: Request, cap: int, setting: str) -> bytes:
     try:
         return await read_capped(request.stream(), cap, declared)
     except BodyTooLarge:
-        raise AgentApiRefusal(
-            413,
-            "body-too-large",
+        raise BodyTooLargeError(
             f"the request body is larger than {cap} bytes (controlplane.agent_api.{setting})",
         ) from None
 
@@ -111,10 +118,8 @@ def _peek_version(body: bytes) -> Any:
     return value.get("protocol_version") if isinstance(value, dict) else None
 
 
-def _version_refusal(version: Any) -> AgentApiRefusal:
-    return AgentApiRefusal(
-        426,
-        "protocol-version",
+def _version_refusal(version: Any) -> ProtocolVersionError:
+    return ProtocolVersionError(
         f"protocol_version {clip(str(version))} is not spoken here (this control plane speaks "
         f"{PROTOCOL_VERSION}); upgrade the older of agent and control plane",
     )
@@ -124,7 +129,7 @@ def _parse(model: type[M], body: bytes) -> M:
     try:
         check_json(body)
     except BadJson as exc:
-        raise AgentApiRefusal(400, "malformed-json", str(exc)) from None
+        raise MalformedJsonError(str(exc)) from None
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
@@ -133,14 +138,12 @@ def _parse(model: type[M], body: bytes) -> M:
             raise _version_refusal(version) from None
         errors = exc.errors(include_input=False, include_url=False)
         if any(e["type"] == "json_invalid" for e in errors):
-            raise AgentApiRefusal(400, "malformed-json", "the body is not valid JSON") from None
+            raise MalformedJsonError("the body is not valid JSON") from None
         first = errors[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         # The message, never the input: the input may be a token.
-        raise AgentApiRefusal(
-            422, "spec-invalid", f"{model.__name__}.{where}: {first['msg']}{more}"
-        ) from None
+        raise SpecError(f"{model.__name__}.{where}: {first['msg']}{more}") from None
     version = getattr(parsed, "protocol_version", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
         raise _version_refusal(version)
@@ -154,9 +157,7 @@ def _json(model: BaseModel) -> Response:
 def _db_down(exc: Exception) -> Response:
     # Unreachable or dropped connection only: any other database error is a bug (500).
     log.warning("agent_api_database_error", error=type(exc).__name__)
-    return protocol_error(
-        503, "database-unavailable", "the state store is unreachable; retry shortly"
-    )
+    return refusal(DatabaseUnavailableError("the state store is unreachable; retry shortly"))
 
 
 @agent_router.post(REGISTER_PATH, summary="Register a node with a bootstrap token")
@@ -169,8 +170,8 @@ async def register(request: Request) -> Response:
         )
         parsed = _parse(RegisterRequest, body)
         return _json(await handler.register(parsed))
-    except AgentApiRefusal as r:
-        return protocol_error(r.status, r.code, r.message, r.headers)
+    except LlmgwError as exc:
+        return refusal(exc)
     except (OperationalError, InterfaceError) as exc:
         return _db_down(exc)
 
@@ -185,16 +186,14 @@ async def sync(request: Request) -> Response:
         )
         parsed = _parse(SyncRequest, body)
         if parsed.node_id != str(credential.node_id):
-            raise AgentApiRefusal(
-                409,
-                "conflict",
+            raise ConflictError(
                 f"the sync names node {clip(parsed.node_id)!r} but the credential is node "
                 f"{credential.node_id}'s; a node reports only as itself (check the agent's "
                 "state dir holds this node's credential)",
             )
         return _json(await handler.sync(credential, parsed))
-    except AgentApiRefusal as r:
-        return protocol_error(r.status, r.code, r.message, r.headers)
+    except LlmgwError as exc:
+        return refusal(exc)
     except (OperationalError, InterfaceError) as exc:
         return _db_down(exc)
 
@@ -209,8 +208,8 @@ async def kv_delta(request: Request) -> Response:
         return Response(
             content=api.kv.handle(credential.node_id, body), media_type="application/json"
         )
-    except AgentApiRefusal as r:
-        return protocol_error(r.status, r.code, r.message, r.headers)
+    except LlmgwError as exc:
+        return refusal(exc)
 
 
 @agent_router.post(TOKENIZER_PATH, summary="A ready shard's model tokenizer files")
@@ -226,8 +225,8 @@ async def tokenizer(request: Request) -> Response:
         )
         parsed = _parse(TokenizerUpload, body)
         return _json(await store_tokenizer(api.sessions, credential.node_id, parsed))
-    except AgentApiRefusal as r:
-        return protocol_error(r.status, r.code, r.message, r.headers)
+    except LlmgwError as exc:
+        return refusal(exc)
     except (OperationalError, InterfaceError) as exc:
         return _db_down(exc)
 

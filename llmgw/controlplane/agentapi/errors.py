@@ -1,49 +1,46 @@
-"""Refusals of the agent API and their wire form, ``llmgw.protocol.sync.ProtocolErrorBody``.
+"""The agent API's wire form of an error, ``llmgw.protocol.sync.ProtocolErrorBody``.
 
-Agents branch on ``code``; people read ``message``. A message names the rule and the fix and
-never echoes a token, credential or anything else the client sent that may be one.
+A refusal is an error of the tree (``llmgw.errors``), raised where the rule is broken; its type
+states its status and code, and ``refusal`` renders it. Agents branch on ``code``; people
+read ``message``. A message names the rule and the fix and never echoes a token, credential
+or anything else the client sent that may be one.
+
+    raised                    status  code                  when
+    MalformedJsonError        400     malformed-json        the body is not JSON / not a valid KV delta
+    AuthError                 401     unauthorized          credential or bootstrap token missing,
+                                                            wrong, expired, revoked
+    ConflictError             409     conflict              node id not the credential's; node name
+                                                            already registered; a tokenizer upload
+                                                            for a shard the node does not run
+    BodyTooLargeError         413     body-too-large        the body passes the endpoint's cap
+    SpecError                 422     spec-invalid          the body breaks the protocol's model
+    ProtocolVersionError      426     protocol-version      a protocol version not spoken here
+    TooManyRequestsError      429     too-many-requests     a full KV copy, or a sync naming a node
+                                                            id not held, refused for now
+                                                            (Retry-After)
+    DatabaseUnavailableError  503     database-unavailable  the state store is unreachable; retry
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from starlette.responses import Response
 
+from llmgw.errors import LlmgwError, TooManyRequestsError, status_of
 from llmgw.protocol.sync import MAX_REASON_CHARS, ProtocolErrorBody
 
-__all__ = ["AgentApiRefusal", "protocol_error"]
+__all__ = ["protocol_error", "refusal"]
 
 
-class AgentApiRefusal(Exception):
-    """A request the agent API answers with a non-2xx status and a ProtocolErrorBody.
-
-    code                 status
-    malformed-json       400  the body is not JSON / not a valid KV delta
-    unauthorized         401  credential or bootstrap token missing, wrong, expired, revoked
-    conflict             409  node id not the credential's; node name already registered;
-                              a tokenizer upload for a shard the node does not run
-    body-too-large       413  the body passes the endpoint's cap
-    spec-invalid         422  the body breaks the protocol's model
-    protocol-version     426  a protocol version this control plane does not speak
-    too-many-requests    429  a full KV copy, or a sync naming a node id not held, refused
-                              for now (Retry-After)
-    database-unavailable 503  the state store is unreachable; retry
-    """
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = dict(headers or {})
+def refusal(exc: LlmgwError) -> Response:
+    """``exc`` as the agent API answers it: its type's status and code, a ProtocolErrorBody."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, TooManyRequestsError):
+        # Whole seconds, at least 1: agents sleep on it, and "0" invites a hot retry loop.
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return protocol_error(status_of(exc), exc.code, exc.message, headers)
 
 
 def protocol_error(

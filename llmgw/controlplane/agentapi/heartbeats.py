@@ -17,8 +17,8 @@ from datetime import datetime
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
-from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
+from llmgw.periodic import Periodic
 from llmgw.store.agent_nodes import Heartbeat, flush_heartbeats
 
 __all__ = ["HeartbeatBatcher"]
@@ -40,7 +40,12 @@ class HeartbeatBatcher:
         self._pending: dict[uuid.UUID, Heartbeat] = {}
         # The beats a flush in progress took out of _pending (put back if it fails).
         self._flushing: dict[uuid.UUID, Heartbeat] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._flusher = Periodic(
+            self.flush,
+            name="agent-heartbeat-flush",
+            interval_s=period_s,
+            on_error=self._flush_failed,
+        )
         self._lock = asyncio.Lock()
 
     @property
@@ -75,21 +80,16 @@ class HeartbeatBatcher:
             return moved
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="agent-heartbeat-flush")
+        self._flusher.start()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.period_s)
-            try:
-                await self.flush()
-            except Exception as exc:  # transient (database down): the beats are kept, retried
-                log.warning("heartbeat_flush_failed", pending=len(self._pending), error=repr(exc))
+    def _flush_failed(self, exc: Exception, _failures: int = 0) -> None:
+        # Transient (database down): the beats are kept, retried next period.
+        log.warning("heartbeat_flush_failed", pending=len(self._pending), error=repr(exc))
 
     async def stop(self) -> None:
         """Stop the timer and flush once more, so a clean shutdown loses no heartbeat."""
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._flusher.stop()
         try:
             await self.flush()
         except Exception as exc:
-            log.warning("heartbeat_flush_failed", pending=len(self._pending), error=repr(exc))
+            self._flush_failed(exc)

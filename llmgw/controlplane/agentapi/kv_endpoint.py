@@ -7,16 +7,16 @@ query (docs/architecture.md §5: no database traffic on the KV path).
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Callable
 
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.placed import PlacedCache
-from llmgw.kv.shard_views import ShardViews, TokenBucket
+from llmgw.errors import MalformedJsonError, TooManyRequestsError
+from llmgw.kv.shard_views import ShardViews
 from llmgw.protocol.kvstream import KvStreamError, decode_kv_request, encode_kv_response
+from llmgw.ratelimit import TokenBucket
 
 __all__ = ["KvHandler"]
 
@@ -38,22 +38,20 @@ class KvHandler:
         self.clock = clock
 
     def handle(self, node_id: uuid.UUID, body: bytes) -> bytes:
-        """The response body for one request from ``node_id``; raises ``AgentApiRefusal``."""
+        """The response body for one request from ``node_id``; raises a refusal of ``llmgw.errors``."""
         try:
             request = decode_kv_request(body)
         except KvStreamError as exc:
             self.metrics.kv_requests.labels("invalid").inc()
-            raise AgentApiRefusal(400, "malformed-json", exc.message) from None
+            raise MalformedJsonError(exc.message) from None
         if request.reset:
             wait_s = self.limiter.admit(self.clock())
             if wait_s is not None:
                 self.metrics.kv_requests.labels("throttled").inc()
-                raise AgentApiRefusal(
-                    429,
-                    "too-many-requests",
+                raise TooManyRequestsError(
                     "too many full KV copies at once (after a control plane restart every "
                     "agent sends one); retry after the Retry-After seconds",
-                    headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+                    retry_after_s=wait_s,
                 )
         result = self.intake.apply(str(node_id), request, self.placed.placed_map())
         self.metrics.kv_requests.labels(result).inc()

@@ -47,8 +47,9 @@ from typing import Final
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.eventloop import cancel_and_wait
-from llmgw.kv.shard_views import TokenBucket
 from llmgw.logs import get_logger
+from llmgw.periodic import Periodic
+from llmgw.ratelimit import TokenBucket
 from llmgw.store.agent_nodes import SyncNode, read_sync_node, read_sync_nodes
 
 __all__ = ["UNKNOWN_MAX", "UNKNOWN_TTL_S", "LookupThrottled", "NodeTable"]
@@ -103,7 +104,9 @@ class NodeTable:
         # every entry lives the same TTL.
         self._unknown: OrderedDict[uuid.UUID, float] = OrderedDict()
         self._refreshed_at = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Periodic(
+            self._refresh_quietly, name="agent-node-table-refresh", interval_s=self.period_s
+        )
         self._miss_task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> None:
@@ -183,13 +186,9 @@ class NodeTable:
 
     async def start(self) -> None:
         await self._refresh_quietly()
-        self._task = asyncio.create_task(self._run(), name="agent-node-table-refresh")
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.period_s)
-            await self._refresh_quietly()
+        self._refresher.start()
 
     async def stop(self) -> None:
-        await cancel_and_wait((self._task, self._miss_task))
-        self._task = self._miss_task = None
+        await self._refresher.stop()
+        await cancel_and_wait(self._miss_task)
+        self._miss_task = None

@@ -10,15 +10,14 @@ KV path come from ``NodeTable``.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterable, Mapping
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.eventloop import cancel_and_wait
 from llmgw.kv.shard_views import PlacedShard, ShardViews
 from llmgw.logs import get_logger
+from llmgw.periodic import Periodic
 from llmgw.store.agent_shards import PlacedRow, read_placed
 
 __all__ = ["PlacedCache"]
@@ -38,7 +37,9 @@ class PlacedCache:
         self.intake = intake
         self.refresh_s = refresh_s
         self.placed: dict[str, PlacedShard] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Periodic(
+            self._refresh_quietly, name="agent-placed-refresh", interval_s=refresh_s
+        )
 
     async def refresh(self) -> None:
         async with self.sessions() as session, session.begin():
@@ -66,16 +67,10 @@ class PlacedCache:
 
     async def start(self) -> None:
         await self._refresh_quietly()
-        self._task = asyncio.create_task(self._run(), name="agent-placed-refresh")
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            await self._refresh_quietly()
+        self._refresher.start()
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._refresher.stop()
 
 
 def _placed(r: PlacedRow) -> PlacedShard:

@@ -21,9 +21,9 @@ import uuid
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.nodes import NodeTable
+from llmgw.errors import AuthError, ConflictError
 from llmgw.logs import get_logger
 from llmgw.protocol.sync import RegisterRequest, RegisterResponse
 from llmgw.store.agent_nodes import claim_or_insert_node, upsert_node_status
@@ -68,10 +68,10 @@ class RegisterHandler:
         self.metrics = metrics
         self.nodes = nodes
 
-    def _refuse_token(self, reason: str) -> AgentApiRefusal:
+    def _refuse_token(self, reason: str) -> AuthError:
         self.metrics.registrations.labels(reason).inc()
         self.metrics.auth_failures.labels("register", reason).inc()
-        return AgentApiRefusal(401, "unauthorized", _BAD_TOKEN)
+        return AuthError(_BAD_TOKEN)
 
     async def register(self, request: RegisterRequest) -> RegisterResponse:
         token = parse_bootstrap_token(request.bootstrap_token)
@@ -111,9 +111,7 @@ class RegisterHandler:
         except (_NameTaken, IntegrityError):
             # IntegrityError: another registration of the same name committed first.
             self.metrics.registrations.labels("name_taken").inc()
-            raise AgentApiRefusal(
-                409,
-                "conflict",
+            raise ConflictError(
                 # Quoted whole: RegisterRequest bounds it (253 characters), and a cut name
                 # would make the command below delete nothing.
                 f"node name {request.node_name!r} is registered already; if this machine "

@@ -9,8 +9,6 @@ placed-shard map the KV path reads.
 
 from __future__ import annotations
 
-import asyncio
-import math
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +18,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.config import AgentApiSettings
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.kv_endpoint import KvHandler
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
@@ -29,9 +26,11 @@ from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.agentapi.register import RegisterHandler
 from llmgw.controlplane.agentapi.sync import SyncHandler
 from llmgw.controlplane.instances import InstanceHeartbeat
-from llmgw.eventloop import cancel_and_wait
-from llmgw.kv.shard_views import ShardViews, TokenBucket
+from llmgw.errors import AuthError, DatabaseUnavailableError, TooManyRequestsError
+from llmgw.kv.shard_views import ShardViews
 from llmgw.logs import get_logger
+from llmgw.periodic import Periodic
+from llmgw.ratelimit import TokenBucket
 from llmgw.store.agent_nodes import read_cluster_id
 from llmgw.store.credentials import NodeCredential, hash_matches
 from llmgw.store.instances import InstanceIdentity
@@ -81,7 +80,8 @@ class AgentApi:
         )
         self._sync: SyncHandler | None = None
         self._register: RegisterHandler | None = None
-        self._retry: asyncio.Task[None] | None = None
+        # Until the handlers start (the database was unreachable at start): a try a second.
+        self._retry = Periodic(self._retry_handlers, name="agent-api-start", interval_s=1.0)
 
     @property
     def sync(self) -> SyncHandler:
@@ -107,16 +107,14 @@ class AgentApi:
             await self._start_handlers()
         except (OperationalError, InterfaceError, OSError) as exc:
             log.warning("agent_api_waiting_for_database", error=type(exc).__name__)
-            self._retry = asyncio.create_task(self._retry_handlers(), name="agent-api-start")
+            self._retry.start()
 
     async def _retry_handlers(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                await self._start_handlers()
-                return
-            except (OperationalError, InterfaceError, OSError):
-                continue
+        try:
+            await self._start_handlers()
+        except (OperationalError, InterfaceError, OSError):
+            return  # still unreachable: the next try in a second (other errors are logged)
+        self._retry.finish()
 
     async def _start_handlers(self) -> None:
         async with self.sessions() as session, session.begin():
@@ -141,8 +139,7 @@ class AgentApi:
         )
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._retry)
-        self._retry = None
+        await self._retry.stop()
         self._sync = self._register = None
         await self.heartbeats.stop()
         await self.placed.stop()
@@ -184,28 +181,22 @@ class AgentApi:
             raise unauthorized(credential.node_id)
 
 
-def unauthorized(node_id: uuid.UUID | None = None) -> AgentApiRefusal:
+def unauthorized(node_id: uuid.UUID | None = None) -> AuthError:
     who = "" if node_id is None else f" for node {node_id}"
-    return AgentApiRefusal(
-        401,
-        "unauthorized",
+    return AuthError(
         f"missing or wrong node credential{who}: send `Authorization: Bearer llmgwn_...` "
         "as registration returned it; a deleted node registers again with a bootstrap token",
     )
 
 
-def _throttled(retry_after_s: float) -> AgentApiRefusal:
-    return AgentApiRefusal(
-        429,
-        "too-many-requests",
+def _throttled(retry_after_s: float) -> TooManyRequestsError:
+    return TooManyRequestsError(
         "too many syncs from node ids this control plane does not hold; retry after the "
         "Retry-After seconds (a registered node is held after its first sync; if real nodes "
         "are refused, raise controlplane.agent_api.unknown_node_rate_per_s)",
-        headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
+        retry_after_s=retry_after_s,
     )
 
 
-def _starting() -> AgentApiRefusal:
-    return AgentApiRefusal(
-        503, "database-unavailable", "the agent API is starting; retry in a moment"
-    )
+def _starting() -> DatabaseUnavailableError:
+    return DatabaseUnavailableError("the agent API is starting; retry in a moment")

@@ -47,12 +47,12 @@ from datetime import UTC, datetime
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal
 from llmgw.controlplane.agentapi.heartbeats import HeartbeatBatcher
 from llmgw.controlplane.agentapi.metrics import AgentApiMetrics
 from llmgw.controlplane.agentapi.nodes import NodeTable
 from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.instances import InstanceHeartbeat
+from llmgw.errors import AuthError
 from llmgw.logs import get_logger
 from llmgw.protocol.sync import DesiredShard, ShardBinding, SyncRequest, SyncResponse
 from llmgw.store.agent_nodes import (
@@ -72,13 +72,12 @@ from llmgw.store.agent_shards import (
     stopped_shards_gone,
 )
 from llmgw.store.credentials import NodeCredential, hash_matches
+from llmgw.store.database import RETRYABLE_SQLSTATES, sqlstate_of
 
 __all__ = ["SyncHandler", "desired_shard", "placed_row"]
 
 log = get_logger("llmgw.controlplane.agentapi")
 
-# Deadlock / serialization failure: the transaction is retried, it did nothing.
-_RETRYABLE_SQLSTATES = frozenset({"40P01", "40001"})
 _ATTEMPTS = 3
 
 Order = tuple[int, int]
@@ -99,6 +98,13 @@ class _NodeMemo:
 
 def _sorted_bindings(bindings: tuple[ShardBinding, ...]) -> tuple[ShardBinding, ...]:
     return tuple(sorted(bindings, key=lambda b: b.shard_id))
+
+
+def _has_applied(request: SyncRequest, version: int) -> bool:
+    """Whether the agent says it applied this desired_version (the wire carries it as text;
+    the node's row holds an int, compared as one)."""
+    text = request.desired_version
+    return text is not None and text.isascii() and text.isdigit() and int(text) == version
 
 
 def _parse_uuid(text: str) -> uuid.UUID | None:
@@ -149,7 +155,7 @@ def placed_row(node_id: uuid.UUID, row: DesiredShardRow) -> PlacedRow:
     return PlacedRow(row.id, node_id, row.model, block_size)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Applied:
     # The node's row as read in the transaction, with the version and order it left.
     node: SyncNode
@@ -222,7 +228,7 @@ class SyncHandler:
                 node, approval="pending", version=None
             )
 
-        same_version = request.desired_version == str(node.desired_version)
+        same_version = _has_applied(request, node.desired_version)
         if same_version and request.inventory is None and memo.bindings == bindings:
             if newer:
                 memo.order = order
@@ -262,7 +268,7 @@ class SyncHandler:
                 desired_version=applied.version,
             )
         drain = node.draining or await self._knows_all(node.id, applied.version, memo, bindings)
-        unchanged = request.desired_version == str(applied.version)
+        unchanged = _has_applied(request, applied.version)
         response = SyncResponse(
             cluster_id=self.cluster_id,
             instance_id=self.instances.identity.id,
@@ -277,11 +283,9 @@ class SyncHandler:
         )
         return "changed" if applied.in_order else "stale", response
 
-    def _revoked(self, node_id: uuid.UUID) -> AgentApiRefusal:
+    def _revoked(self, node_id: uuid.UUID) -> AuthError:
         self.metrics.auth_failures.labels("sync", "unknown_or_revoked").inc()
-        return AgentApiRefusal(
-            401,
-            "unauthorized",
+        return AuthError(
             f"node {node_id} has no such credential (deleted, or registered again); "
             "register the agent again with a bootstrap token",
         )
@@ -347,8 +351,9 @@ class SyncHandler:
                 async with self.sessions() as session, session.begin():
                     return await self._apply_once(session, credential, request, bindings, at, newer)
             except DBAPIError as exc:
-                sqlstate = getattr(exc.orig, "sqlstate", None)
-                if sqlstate not in _RETRYABLE_SQLSTATES or attempt == _ATTEMPTS - 1:
+                # A deadlock or serialization failure did nothing: the transaction is retried.
+                sqlstate = sqlstate_of(exc)
+                if sqlstate not in RETRYABLE_SQLSTATES or attempt == _ATTEMPTS - 1:
                     raise
                 log.info(
                     "sync_retried", node=str(credential.node_id), sqlstate=sqlstate, attempt=attempt
@@ -386,7 +391,15 @@ class SyncHandler:
             node = replace(node, agent_epoch=request.agent_epoch, agent_seq=request.seq)
         if node.approval_state != "approved":
             # Pending: its inventory and order are stored; it owns no shards to report on.
-            return _Applied(node, in_order, version, None, None, [], 0)
+            return _Applied(
+                node=node,
+                in_order=in_order,
+                version=version,
+                rows=None,
+                live_ids=None,
+                released=[],
+                foreign=0,
+            )
         if in_order:
             pairs: dict[uuid.UUID, ShardBinding] = {}
             for b in bindings:
@@ -401,7 +414,7 @@ class SyncHandler:
             # Only an agent that has applied the current set has seen these shards desired
             # stopped: one still on an older set may report a crashed engine as `exited`
             # and restart it, and releasing its GPUs then would let them be placed twice.
-            if request.desired_version == str(version):
+            if _has_applied(request, version):
                 released = await release_stopped_shards(session, node.id, running)
             else:
                 deferred = bool(await stopped_shards_gone(session, node.id, running))
@@ -410,18 +423,27 @@ class SyncHandler:
                 node = replace(node, desired_version=version)
         # The version was read before the shards: the set sent is at least as new as the
         # version it is labelled with, so an agent never holds a version newer than its set.
-        if request.desired_version == str(version):
-            return _Applied(node, in_order, version, None, None, released, foreign, deferred)
+        if _has_applied(request, version):
+            return _Applied(
+                node=node,
+                in_order=in_order,
+                version=version,
+                rows=None,
+                live_ids=None,
+                released=released,
+                foreign=foreign,
+                release_deferred=deferred,
+            )
         rows = await read_desired_shards(session, node.id)
         return _Applied(
-            node,
-            in_order,
-            version,
-            rows,
-            frozenset(r.id for r in rows),
-            released,
-            foreign,
-            deferred,
+            node=node,
+            in_order=in_order,
+            version=version,
+            rows=rows,
+            live_ids=frozenset(r.id for r in rows),
+            released=released,
+            foreign=foreign,
+            release_deferred=deferred,
         )
 
 

@@ -16,8 +16,7 @@ import uuid
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.controlplane.agentapi.errors import AgentApiRefusal
-from llmgw.errors import LlmgwError, clip
+from llmgw.errors import ConflictError, LlmgwError, SpecError, clip
 from llmgw.kv.hf_tokenizer import TokenizerFiles
 from llmgw.logs import get_logger
 from llmgw.protocol.tokenizers import TokenizerUpload, TokenizerUploadResponse
@@ -34,13 +33,11 @@ def _decode(upload: TokenizerUpload) -> TokenizerFiles:
         try:
             files[name] = base64.b64decode(encoded, validate=True)
         except (binascii.Error, ValueError):
-            raise AgentApiRefusal(
-                422, "spec-invalid", f"files.{clip(name)} is not base64"
-            ) from None
+            raise SpecError(f"files.{clip(name)} is not base64") from None
     try:
         return TokenizerFiles(files)
     except LlmgwError as exc:
-        raise AgentApiRefusal(422, "spec-invalid", exc.message) from None
+        raise SpecError(exc.message) from None
 
 
 async def store_tokenizer(
@@ -51,9 +48,7 @@ async def store_tokenizer(
     async with sessions() as session, session.begin():
         model = await shard_model(session, node_id=node_id, shard_id=upload.shard_id)
         if model is None:
-            raise AgentApiRefusal(
-                409,
-                "conflict",
+            raise ConflictError(
                 f"shard {clip(upload.shard_id)!r} is not a live shard of this node; upload "
                 "the files of a shard the node runs",
             )

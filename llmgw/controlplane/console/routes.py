@@ -6,6 +6,7 @@ live session cookie (else the sign-in page, or 401 for a fragment); a form post 
 cookie, a same-origin ``Origin`` (a cross-site post is refused even when the browser sent the
 cookie: ports do not make two sites) and then the session's CSRF token from the form. Every
 HTML answer carries a Content-Security-Policy without inline script or style, and no-store.
+The checks and the answers are the `Console`'s (``web``); this module wires the routes to them.
 
 What it must NOT do: accept the admin token anywhere but the sign-in form's body, put it or a
 session id in a URL or a log line, or query the database itself (``admin_calls`` does it).
@@ -19,31 +20,28 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import quote
 
-import structlog
 from fastapi import APIRouter, FastAPI, Request, Response
-from fastapi.responses import HTMLResponse, RedirectResponse
-from jinja2 import Environment, PackageLoader, select_autoescape
+from fastapi.responses import RedirectResponse
 from prometheus_client import CollectorRegistry
 from starlette.staticfiles import StaticFiles
 
 from llmgw.controlplane.console import fleet_view, routing_view, usage_view, wire
-from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError, AdminCalls
-from llmgw.controlplane.console.sampler import RoutingSampler
-from llmgw.controlplane.console.sessions import COOKIE, Session, SessionStore
-from llmgw.kv.shard_views import ShardViews, TokenBucket
+from llmgw.controlplane.console.admin_calls import PAGE_LIMIT, AdminCallError
+from llmgw.controlplane.console.sessions import COOKIE
+from llmgw.controlplane.console.web import (
+    HEADERS,
+    PREFIX,
+    SESSION_TTL_S,
+    Console,
+    Refused,
+    log,
+)
+from llmgw.kv.shard_views import ShardViews
 
 __all__ = ["install_console"]
 
-log = structlog.get_logger("llmgw.console")
-
-PREFIX = "/ui"
-SESSION_TTL_S = 12 * 3600.0
-SESSION_IDLE_S = 3600.0
-REFRESH_S = 3
-# A form is a few fields; anything larger is not one of ours.
-_MAX_FORM_BYTES = 16 * 1024
 # A node that has not synced for this long is listed under "needs attention" (agents sync
 # every ~2 s; the reconciler's own grace is longer).
 _STALE_SYNC_S = 30.0
@@ -56,137 +54,6 @@ CSV_MAX_ROWS = 10_000
 # Rows of one list a page renders (replicas, attention lines): with the page's other parts
 # this keeps its HTML under 100 KB however large the fleet; the rest is counted, not shown.
 _MAX_ROWS = 100
-CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
-)
-_HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
-    # Not no-referrer: under it a browser sends `Origin: null` with a form post, and the
-    # origin check below could not tell our own forms from a sandboxed attacker's.
-    "Referrer-Policy": "same-origin",
-    "X-Frame-Options": "DENY",
-    "Cache-Control": "no-store",
-}
-
-_env = Environment(
-    loader=PackageLoader("llmgw.controlplane.console", "templates"),
-    autoescape=select_autoescape(("html",)),
-    trim_blocks=True,
-    lstrip_blocks=True,
-)
-
-
-class _Refused(Exception):
-    def __init__(self, response: Response) -> None:
-        self.response = response
-
-
-class Console:
-    """The state the routes share: sessions, the sign-in limiter, the admin API in process."""
-
-    def __init__(
-        self,
-        app: FastAPI,
-        admin_token: str,
-        registry: CollectorRegistry | None = None,
-        kv: ShardViews | None = None,
-    ) -> None:
-        self.sessions = SessionStore(ttl_s=SESSION_TTL_S, idle_s=SESSION_IDLE_S)
-        # Failed sign-ins only: guessing the token costs a second per try after a burst.
-        self.failures = TokenBucket(rate_per_s=1.0, burst=10)
-        self.admin_token = admin_token
-        self.calls = AdminCalls(app, admin_token)
-        # The routing charts' ring: the app's lifespan runs ``sampler.run``.
-        self.sampler = RoutingSampler(registry)
-        # This instance's KV views (the one the router reads): which are held only in part.
-        self.kv = kv
-
-    # --- answers -----------------------------------------------------------------------
-
-    def html(
-        self,
-        template: str,
-        status: int = 200,
-        session: Session | None = None,
-        **context: Any,
-    ) -> HTMLResponse:
-        body = _env.get_template(template).render(
-            prefix=PREFIX,
-            refresh_s=REFRESH_S,
-            csrf=session.csrf if session else "",
-            signed_in=session is not None,
-            **context,
-        )
-        return HTMLResponse(body, status_code=status, headers=dict(_HEADERS))
-
-    def refuse(self, request: Request, status: int, message: str) -> Response:
-        log.warning("console_refused", status=status, path=request.url.path, why=message)
-        return self.html("error.html", status=status, message=message)
-
-    # --- checks (from headers only: before any body is read) ------------------------------
-
-    def session_of(self, request: Request) -> Session | None:
-        return self.sessions.get(request.cookies.get(COOKIE), time.monotonic())
-
-    def page_session(self, request: Request) -> Session:
-        s = self.session_of(request)
-        if s is None:
-            raise _Refused(RedirectResponse(f"{PREFIX}/", status_code=303, headers=_HEADERS))
-        return s
-
-    def fragment_session(self, request: Request) -> Session:
-        s = self.session_of(request)
-        if s is None:
-            # htmx follows HX-Redirect: an expired session lands on the sign-in page.
-            raise _Refused(
-                Response(status_code=401, headers={**_HEADERS, "HX-Redirect": f"{PREFIX}/"})
-            )
-        return s
-
-    def same_origin(self, request: Request) -> bool:
-        origin = request.headers.get("origin")
-        if request.headers.get("sec-fetch-site") == "cross-site":
-            return False
-        if origin is None:
-            # Browsers send Origin with every POST; a client without one is not a browser
-            # page another site controls (curl, a test), and still needs cookie and token.
-            return True
-        # Host and port only: behind a proxy that terminates TLS the browser's origin is
-        # https:// while this listener sees plain HTTP; the Host header is the same.
-        sent = urlsplit(origin).netloc
-        return bool(sent) and hmac.compare_digest(
-            sent.encode(), request.headers.get("host", "").encode()
-        )
-
-    async def form(self, request: Request, session: Session | None) -> dict[str, str]:
-        """The posted form, after the origin (and, with a session, the CSRF token) check."""
-        if not self.same_origin(request):
-            raise _Refused(self.refuse(request, 403, "cross-site form posts are refused"))
-        length = request.headers.get("content-length")
-        if length is None or not length.isdigit() or int(length) > _MAX_FORM_BYTES:
-            raise _Refused(self.refuse(request, 413, f"a form is at most {_MAX_FORM_BYTES} bytes"))
-        raw = await request.body()
-        fields = {
-            k: v[0]
-            for k, v in parse_qs(
-                raw[:_MAX_FORM_BYTES].decode("utf-8", "replace"), max_num_fields=50
-            ).items()
-        }
-        if session is not None and not SessionStore.csrf_ok(session, fields.get("csrf")):
-            raise _Refused(
-                self.refuse(
-                    request, 403, "the form's CSRF token is missing or stale: reload the page"
-                )
-            )
-        return fields
-
-    async def post_session(self, request: Request) -> tuple[Session, dict[str, str]]:
-        s = self.session_of(request)
-        if s is None:
-            raise _Refused(self.refuse(request, 403, "sign in first (no live session)"))
-        return s, await self.form(request, s)
 
 
 def install_console(
@@ -210,9 +77,9 @@ def install_console(
     _routes(router, console)
     app.include_router(router)
 
-    @app.exception_handler(_Refused)
+    @app.exception_handler(Refused)
     async def _refused(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, _Refused)
+        assert isinstance(exc, Refused)
         return exc.response
 
     return console
@@ -256,7 +123,7 @@ def _routes(router: APIRouter, c: Console) -> None:
     @router.get("/")
     async def sign_in_page(request: Request) -> Response:
         if c.session_of(request) is not None:
-            return RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=_HEADERS)
+            return RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=HEADERS)
         return c.html("sign_in.html")
 
     @router.get("")
@@ -281,7 +148,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             )
         s = c.sessions.create(time.monotonic())
         log.info("console_signed_in", sessions=len(c.sessions))
-        r = RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=_HEADERS)
+        r = RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=HEADERS)
         r.set_cookie(
             COOKIE,
             s.id,
@@ -298,7 +165,7 @@ def _routes(router: APIRouter, c: Console) -> None:
         s, _ = await c.post_session(request)
         c.sessions.end(s.id)
         log.info("console_signed_out")
-        r = RedirectResponse(f"{PREFIX}/", status_code=303, headers=_HEADERS)
+        r = RedirectResponse(f"{PREFIX}/", status_code=303, headers=HEADERS)
         r.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
         return r
 
@@ -459,7 +326,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             return c.html("error.html", status=exc.status, session=s, message=exc.message)
         log.info("console_scaled", deployment=name, replicas=int(wanted))
         return RedirectResponse(
-            f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=_HEADERS
+            f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=HEADERS
         )
 
     @router.post("/deployments/{name:path}/{verb}")
@@ -481,7 +348,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             return c.html("error.html", status=exc.status, session=s, message=exc.message)
         log.info("console_deployment_action", deployment=name, action=verb)
         return RedirectResponse(
-            f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=_HEADERS
+            f"{PREFIX}/deployments/{quote(name, safe='')}", status_code=303, headers=HEADERS
         )
 
     # --- keys and usage ------------------------------------------------------------------
@@ -563,7 +430,7 @@ def _routes(router: APIRouter, c: Console) -> None:
             await c.calls.post(f"/admin/v1/keys/{quote(name, safe='')}/revoke")
         except AdminCallError as exc:
             return c.html("error.html", status=exc.status, session=s, message=exc.message)
-        return RedirectResponse(f"{PREFIX}/keys", status_code=303, headers=_HEADERS)
+        return RedirectResponse(f"{PREFIX}/keys", status_code=303, headers=HEADERS)
 
     # --- nodes ---------------------------------------------------------------------------
 
@@ -593,4 +460,4 @@ def _routes(router: APIRouter, c: Console) -> None:
         except AdminCallError as exc:
             return c.html("error.html", status=exc.status, session=s, message=exc.message)
         log.info("console_node_action", node=name, action=verb)
-        return RedirectResponse(f"{PREFIX}/nodes", status_code=303, headers=_HEADERS)
+        return RedirectResponse(f"{PREFIX}/nodes", status_code=303, headers=HEADERS)

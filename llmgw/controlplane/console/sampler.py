@@ -27,7 +27,7 @@ from prometheus_client.registry import RestrictedRegistry
 
 from llmgw.controlplane.console.ring import Ring
 from llmgw.controlplane.console.routing_view import Sample, Snapshot, read_snapshot, step
-from llmgw.eventloop import wait_event
+from llmgw.periodic import Periodic
 
 __all__ = ["CAPACITY", "INTERVAL_S", "MAX_SERIES", "RoutingSampler"]
 
@@ -93,15 +93,25 @@ class RoutingSampler:
         self._last, self._last_at = cur, now
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                # Never the tables' cached read: a rate needs the time it was read at.
-                cur = await asyncio.to_thread(self.read)
-                # The ring is touched on the loop only: the pages read it there.
-                self.sample(time.time(), cur)
-            except Exception as exc:  # a chart is not worth a control plane
-                log.warning("console_sample_failed", error=repr(exc))
-            await wait_event(stop, self.interval_s)
+        """Sample now and every ``interval_s`` until ``stop`` is set."""
+        sampler = Periodic(
+            self._sample_now,
+            name="console-sampler",
+            interval_s=self.interval_s,
+            run_at_start=True,
+            on_error=_sample_failed,
+        )
+        sampler.start()
+        try:
+            await stop.wait()
+        finally:
+            await sampler.stop()
+
+    async def _sample_now(self) -> None:
+        # Never the tables' cached read: a rate needs the time it was read at.
+        cur = await asyncio.to_thread(self.read)
+        # The ring is touched on the loop only: the pages read it there.
+        self.sample(time.time(), cur)
 
     def _samples(self) -> Iterator[Sample]:
         if self._registry is None:
@@ -109,3 +119,7 @@ class RoutingSampler:
         for family in self._registry.collect():
             for s in family.samples:
                 yield s.name, s.labels, s.value
+
+
+def _sample_failed(exc: Exception, _failures: int) -> None:
+    log.warning("console_sample_failed", error=repr(exc))  # a chart is not worth a control plane

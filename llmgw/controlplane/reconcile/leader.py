@@ -2,7 +2,7 @@
 
 Any number of control planes run against one Postgres; exactly one applies plans.
 The advisory lock decides who leads. It is held on a DEDICATED connection with TCP
-keepalives (``store.listen.connect_dedicated``), never one borrowed from the pool: the
+keepalives (``store.dedicated.connect_dedicated``), never one borrowed from the pool: the
 pool recycles and pre-pings its connections, and a recycled connection silently drops a
 session-level advisory lock, so two processes would both believe they lead.
 
@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.errors import ConflictError
 from llmgw.logs import get_logger
-from llmgw.store.listen import connect_dedicated
+from llmgw.store.dedicated import connect_dedicated
 
 __all__ = ["RECONCILE_LOCK_KEY", "FencedError", "LeaderLock", "check_epoch"]
 

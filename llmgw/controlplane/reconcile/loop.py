@@ -13,8 +13,9 @@ Every control plane runs one; only the leader (``leader.py``) passes. A pass is:
 
 Passes are woken by a periodic tick (APScheduler) and early by NOTIFY on the
 channel admin writes signal and on the one a gateway holding a request for a model with no
-ready replica signals (``store.listen.Listener``). A notification is only a hint:
-lost or repeated ones do no harm, because each pass re-reads everything (level-triggered).
+ready replica signals (a subscription to the process's ``store.notify.NotifyHub``). A
+notification is only a hint: lost or repeated ones do no harm, because each pass re-reads
+everything (level-triggered).
 A failing pass is retried on the next tick with a growing pause, never in a hot loop, and
 logged with its traceback.
 
@@ -38,7 +39,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
 from llmgw.controlplane.reconcile.read import load_snapshot
 from llmgw.controlplane.reconcile.write import apply_plan, apply_scale
-from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
 from llmgw.planner.autoscale import Decision
 from llmgw.planner.plan import compute_plan
@@ -46,7 +46,7 @@ from llmgw.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
 from llmgw.planner.snapshot import DeploymentId, PlanSettings
 from llmgw.store.catalog import CHANGE_CHANNEL
 from llmgw.store.demand import DEMAND_CHANNEL, ModelDemand, read_demand
-from llmgw.store.listen import Listener, ListenLog
+from llmgw.store.notify import NotifyHub, Subscription
 
 __all__ = ["ReconcileMetrics", "Reconciler"]
 
@@ -142,7 +142,10 @@ class Reconciler:
         tick_s: float = 2.0,
         metrics: ReconcileMetrics | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        notify: NotifyHub | None = None,
     ) -> None:
+        """``notify``: the process's hub; None (a test, a bench): one of its own on
+        ``libpq_url``, run while ``run`` runs."""
         self._sessions = sessions
         self._settings = plan_settings
         self._tick_s = tick_s
@@ -150,17 +153,13 @@ class Reconciler:
         self._clock = clock
         self._lock = LeaderLock(libpq_url, instance_id=instance_id)
         self._wake = asyncio.Event()
+        self._own_notify = notify is None
+        self._notify = notify or NotifyHub(
+            libpq_url, application_name=f"llmgw-listen-{instance_id}"
+        )
         # A NOTIFY only brings the next pass forward; nothing is re-read on a reconnect, since
         # every pass reads everything and the tick runs one soon anyway.
-        self._listener = Listener(
-            libpq_url,
-            [CHANGE_CHANNEL, DEMAND_CHANNEL],
-            application_name=f"llmgw-listen-{instance_id}",
-            on_notify=self._wake.set,
-            backoff_base_s=_BACKOFF_BASE_S,
-            backoff_max_s=_BACKOFF_MAX_S,
-            log=ListenLog(log, lost="reconcile_listen_lost", restored="reconcile_listen_restored"),
-        )
+        self._subscription = Subscription([CHANGE_CHANNEL, DEMAND_CHANNEL], self._wake.set)
         self._failures = 0
         # When this process began watching the fleet without a gap: set on taking the lead,
         # cleared by a failed pass. Nodes are judged silent only from then (load_snapshot).
@@ -205,7 +204,9 @@ class Reconciler:
         scheduler.add_job(self.wake, "interval", seconds=self._tick_s, id="reconcile-tick")
         scheduler.start()
         self._scheduler = scheduler
-        listener = asyncio.create_task(self._listener.run(), name="reconcile-listen")
+        self._notify.add(self._subscription)
+        if self._own_notify:
+            await self._notify.start()
         try:
             while not stop.is_set():
                 await self._step()
@@ -226,7 +227,9 @@ class Reconciler:
         finally:
             self._scheduler = None
             scheduler.shutdown(wait=False)
-            await cancel_and_wait(listener)
+            self._notify.remove(self._subscription)
+            if self._own_notify:
+                await self._notify.stop()
             await self._lock.release()
             self._metrics.leader.set(0)
 

@@ -1,10 +1,11 @@
-"""The reconcile pass's read: desired and observed state in six statements, as frozen views.
+"""The reconcile pass's read: desired and observed state in five statements, as frozen views.
 
-One statement per table, whatever the fleet's size: deployments (with their profiles, models
-and rollout status), nodes (with their status), replicas, shards, GPU assignments and GPU
-classes. Rows become the views of ``planner/snapshot.py``; what writing the plan needs and
-the planner must not see (node names and addresses, the devices behind placement's GPU keys,
-the engines' profiles) rides beside the snapshot in ``LoadedState``.
+A constant number of statements, whatever the fleet's size: deployments (with their
+profiles, models and rollout status), nodes (with their status), replicas, shards (with the
+GPUs they hold) and GPU classes. Rows become the views of ``planner/snapshot.py``; what
+writing the plan needs and the planner must not see (node names and addresses, the devices
+behind placement's GPU keys, the engines' profiles) rides beside the snapshot in
+``LoadedState``.
 
 This module must NOT decide anything: where reading a row takes a rule (which reported GPUs
 are placeable, what counts as evidence of life, what a profile the engines refuse asks for
@@ -14,17 +15,19 @@ and keeps, how stored GPU classes join the configured ones), the rule is the pla
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import partial
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Text, cast, func, select
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.sql.elements import ColumnElement
 
 from llmgw.controlplane.profile_checks import SPEC_FIELDS, engine_profile
+from llmgw.controlplane.reconcile.inventories import InventoryMemo, Placeable
 from llmgw.engines import Profile as EngineProfile
 from llmgw.planner import intake
 from llmgw.planner.autoscale import AutoscalePolicy, ScaleState
@@ -100,7 +103,7 @@ async def load_snapshot(
     now: datetime,
     observing_since: datetime | None = None,
 ) -> LoadedState:
-    """Desired and observed state in six statements, as frozen views.
+    """Desired and observed state in five statements, as frozen views.
 
     ``observing_since``: when the caller began watching the fleet without a gap; nodes are
     judged silent only from then (``intake.evidence_of_life``).
@@ -136,6 +139,23 @@ async def load_snapshot(
 
 # --- deployments ------------------------------------------------------------------------
 
+# Rows as rows, not ORM objects, in every statement of the pass: building an instance per row
+# (a deployment and its status here, ~8 per node in the tables that grow with the fleet) made
+# a large fleet's pass spend most of its time in the ORM (bench/reconcile.py). Ids are read as
+# text: they only ever become the views' strings and dict keys, and a uuid.UUID per id, turned
+# back into a str, was itself a measurable part of a 10,000-node load.
+
+_PROFILE_FIELDS = ("name", "fingerprint", *SPEC_FIELDS)
+# RolloutStatus's fields are deployment_status's columns, name for name.
+_STATUS_FIELDS = tuple(RolloutStatus.__dataclass_fields__)
+_SCALE_FIELDS = (
+    "desired_replicas", "warm_replicas", "last_scaled_at", "idle_since", "suspended_since",
+)  # fmt: skip
+
+
+def _text_id(column: Any) -> ColumnElement[str]:
+    return cast(column, Text)
+
 
 @dataclass(frozen=True, slots=True)
 class _Deployments:
@@ -150,7 +170,25 @@ class _Deployments:
 async def _deployments(session: AsyncSession) -> _Deployments:
     rows = (
         await session.execute(
-            select(Deployment, Profile, Model.name, DeploymentStatus, DeploymentAutoscale)
+            select(
+                _text_id(Deployment.id).label("id"),
+                Deployment.name,
+                Deployment.replicas,
+                Deployment.pool,
+                Deployment.max_surge,
+                Deployment.max_unavailable,
+                Deployment.progress_deadline_s,
+                Deployment.state,
+                Deployment.generation,
+                Deployment.autoscale,
+                _text_id(Profile.id).label("profile_id"),
+                *(getattr(Profile, f).label(f"profile_{f}") for f in _PROFILE_FIELDS),
+                Model.name.label("model_name"),
+                DeploymentStatus.deployment_id.is_not(None).label("has_status"),
+                *(getattr(DeploymentStatus, f).label(f"status_{f}") for f in _STATUS_FIELDS),
+                DeploymentAutoscale.deployment_id.is_not(None).label("has_scale"),
+                *(getattr(DeploymentAutoscale, f) for f in _SCALE_FIELDS),
+            )
             .join(Profile, Profile.id == Deployment.profile_id)
             .join(Model, Model.id == Deployment.model_id)
             .outerjoin(DeploymentStatus, DeploymentStatus.deployment_id == Deployment.id)
@@ -159,28 +197,36 @@ async def _deployments(session: AsyncSession) -> _Deployments:
         )
     ).all()
     out = _Deployments()
-    for dep, prof, model_name, status, scaled in rows:
-        dep_id = DeploymentId(str(dep.id))
-        launch = intake.launch_of(
-            prof.name, prof.gpu_class, partial(_engine_profile, prof, model_name)
-        )
+    # Deployments share profiles: the engines' Profile (a validated model) and what placement
+    # needs of it are built once per (profile, model), not once per deployment.
+    launches: dict[tuple[str, str], intake.Launch] = {}
+    for row in rows:
+        dep_id = DeploymentId(row.id)
+        key = (row.profile_id, row.model_name)
+        launch = launches.get(key)
+        if launch is None:
+            launch = launches[key] = intake.launch_of(
+                row.profile_name,
+                row.profile_gpu_class,
+                partial(_engine_profile, row, row.model_name),
+            )
         if launch.refusal:
             out.unlaunchable[dep_id] = launch.refusal
-        view = _deployment_view(dep_id, dep, prof, launch.requirements, status)
-        if dep.autoscale is not None:
-            scale = _scale_state(dep, scaled)
+        view = _deployment_view(dep_id, row, launch.requirements)
+        if row.autoscale is not None:
+            scale = _scale_state(row)
             view = replace(
                 view,
-                autoscale=_policy(dep.autoscale),
+                autoscale=_policy(row.autoscale),
                 replicas=scale.desired,
                 warm_replicas=scale.warm,
             )
             out.scale[dep_id] = scale
-            if scaled is not None:
+            if row.has_scale:
                 out.stored.add(dep_id)
-            out.served[dep_id] = prof.served_model_name or model_name
+            out.served[dep_id] = row.profile_served_model_name or row.model_name
         out.views.append(view)
-        out.launch[dep_id] = (dep.name, launch.profile)
+        out.launch[dep_id] = (row.name, launch.profile)
     return out
 
 
@@ -191,9 +237,9 @@ def _policy(doc: Mapping[str, Any]) -> AutoscalePolicy:
     return AutoscalePolicy(**{k: v for k, v in doc.items() if k in known})
 
 
-def _scale_state(dep: Deployment, row: DeploymentAutoscale | None) -> ScaleState:
-    if row is None:  # no decision yet: the operator's replicas are where it starts
-        return ScaleState(desired=dep.replicas, warm=dep.replicas)
+def _scale_state(row: Any) -> ScaleState:
+    if not row.has_scale:  # no decision yet: the operator's replicas are where it starts
+        return ScaleState(desired=row.replicas, warm=row.replicas)
     return ScaleState(
         desired=row.desired_replicas,
         warm=row.warm_replicas,
@@ -203,51 +249,36 @@ def _scale_state(dep: Deployment, row: DeploymentAutoscale | None) -> ScaleState
     )
 
 
-def _engine_profile(p: Profile, model_name: str) -> EngineProfile:
-    fields = {name: getattr(p, name) for name in SPEC_FIELDS}
-    return engine_profile(p.name, fields, model=model_name)
+def _engine_profile(row: Any, model_name: str) -> EngineProfile:
+    fields = {name: getattr(row, f"profile_{name}") for name in SPEC_FIELDS}
+    return engine_profile(row.profile_name, fields, model=model_name)
 
 
 def _deployment_view(
-    dep_id: DeploymentId,
-    dep: Deployment,
-    prof: Profile,
-    requirements: PlacementRequirements,
-    status: DeploymentStatus | None,
+    dep_id: DeploymentId, row: Any, requirements: PlacementRequirements
 ) -> DeploymentView:
     return DeploymentView(
         id=dep_id,
-        name=dep.name,
+        name=row.name,
         profile=ProfileView(
-            name=prof.name,
-            engine=prof.engine,
-            fingerprint=prof.fingerprint,
+            name=row.profile_name,
+            engine=row.profile_engine,
+            fingerprint=row.profile_fingerprint,
             requirements=requirements,
         ),
-        replicas=dep.replicas,
-        pool=dep.pool,
-        max_surge=dep.max_surge,
-        max_unavailable=dep.max_unavailable,
-        progress_deadline_s=dep.progress_deadline_s,
-        suspended=dep.state == "suspended",
-        generation=dep.generation,
-        status=RolloutStatus() if status is None else _rollout_status(status),
+        replicas=row.replicas,
+        pool=row.pool,
+        max_surge=row.max_surge,
+        max_unavailable=row.max_unavailable,
+        progress_deadline_s=row.progress_deadline_s,
+        suspended=row.state == "suspended",
+        generation=row.generation,
+        status=_rollout_status(row) if row.has_status else RolloutStatus(),
     )
 
 
-def _rollout_status(st: DeploymentStatus) -> RolloutStatus:
-    return RolloutStatus(
-        observed_generation=st.observed_generation,
-        replicas=st.replicas,
-        ready_replicas=st.ready_replicas,
-        updated_replicas=st.updated_replicas,
-        available_replicas=st.available_replicas,
-        unavailable_replicas=st.unavailable_replicas,
-        suspended_replicas=st.suspended_replicas,
-        stalled=st.stalled,
-        reason=st.reason,
-        progress_started_at=st.progress_started_at,
-    )
+def _rollout_status(row: Any) -> RolloutStatus:
+    return RolloutStatus(**{f: getattr(row, f"status_{f}") for f in _STATUS_FIELDS})
 
 
 # --- nodes ------------------------------------------------------------------------------
@@ -259,21 +290,25 @@ class _Nodes:
     facts: dict[NodeId, NodeFacts] = field(default_factory=dict)
 
 
+# One per process (InventoryMemo says why that is right).
+_INVENTORIES = InventoryMemo()
+# A node whose agent never reported: no status row, nothing placeable.
+_UNREPORTED = Placeable.of({})
+
+
 async def _nodes(session: AsyncSession, observing_since: datetime | None) -> _Nodes:
-    # Plain rows, not ORM objects, for the tables that grow with the fleet (nodes, replicas,
-    # shards, GPU assignments): building ~8 ORM instances per node made a 1,000-node pass
-    # spend most of its time in the ORM and the cyclic GC (bench/reconcile.py).
     rows = (
         await session.execute(
             select(
-                Node.id,
+                _text_id(Node.id).label("id"),
                 Node.name,
                 Node.pool,
                 Node.approval_state,
                 Node.cordoned,
                 Node.draining,
-                NodeStatus.node_id.label("status_of"),
-                NodeStatus.inventory,
+                NodeStatus.node_id.is_not(None).label("reported"),
+                # As text, parsed only where the memo has not seen it (inventories.py).
+                cast(NodeStatus.inventory, Text).label("inventory"),
                 NodeStatus.last_sync_at,
                 NodeStatus.mgmt_addr,
             ).outerjoin(NodeStatus, NodeStatus.node_id == Node.id)
@@ -281,10 +316,11 @@ async def _nodes(session: AsyncSession, observing_since: datetime | None) -> _No
     ).all()
     out = _Nodes()
     for row in rows:
-        node_id = NodeId(str(row.id))
+        node_id = NodeId(row.id)
         # A node whose agent never reported has no status row: no inventory, no sync, no address.
-        reported = row.status_of is not None
-        inventory = intake.placeable(row.inventory if reported else {})
+        reported = row.reported
+        placeable = _INVENTORIES.placeable(row.inventory) if reported else _UNREPORTED
+        inventory = placeable.inventory
         out.views.append(
             NodeView(
                 id=node_id,
@@ -305,9 +341,10 @@ async def _nodes(session: AsyncSession, observing_since: datetime | None) -> _No
             name=row.name,
             mgmt_addr=row.mgmt_addr if reported else "",
             devices=inventory.devices,
-            placement_index=inventory.placement_index(),
+            placement_index=placeable.placement_index,
             gid_index=inventory.gid_index,
         )
+    _INVENTORIES.end_pass()
     return out
 
 
@@ -315,52 +352,88 @@ async def _nodes(session: AsyncSession, observing_since: datetime | None) -> _No
 
 
 async def _replica_rows(session: AsyncSession) -> Sequence[Any]:
-    return (await session.execute(select(*Replica.__table__.c))).all()
+    return (
+        await session.execute(
+            select(
+                _text_id(Replica.id).label("id"),
+                _text_id(Replica.deployment_id).label("deployment_id"),
+                Replica.profile_fingerprint,
+                Replica.created_at,
+                Replica.state,
+                Replica.drain_deadline,
+                Replica.reason,
+            )
+        )
+    ).all()
 
 
 async def _shards(
     session: AsyncSession, facts: Mapping[NodeId, NodeFacts]
-) -> dict[uuid.UUID, list[ShardView]]:
-    """Every shard as a view, by replica id, in rank order: two statements (the shards, the
-    GPUs they hold)."""
-    shard_rows = (await session.execute(select(*Shard.__table__.c).order_by(Shard.rank))).all()
-    gpu_rows = (
+) -> dict[str, list[ShardView]]:
+    """Every shard as a view, by replica id, in rank order: one statement, the GPUs each
+    holds aggregated beside it in order of position (not a row per GPU, ~7 per shard).
+    Only the columns the view needs: the launch spec is the complete ShardSpec, of which
+    the planner reads one number."""
+    gpus = (
+        select(
+            GpuAssignment.shard_id,
+            func.array_agg(
+                aggregate_order_by(GpuAssignment.gpu_index, GpuAssignment.position)
+            ).label("indices"),
+            func.array_agg(
+                aggregate_order_by(GpuAssignment.mig_uuid, GpuAssignment.position)
+            ).label("migs"),
+        )
+        .where(GpuAssignment.shard_released.is_(False))
+        .group_by(GpuAssignment.shard_id)
+        .subquery()
+    )
+    rows = (
         await session.execute(
-            select(GpuAssignment.shard_id, GpuAssignment.gpu_index, GpuAssignment.mig_uuid)
-            .where(GpuAssignment.shard_released.is_(False))
-            .order_by(GpuAssignment.shard_id, GpuAssignment.position)
+            select(
+                _text_id(Shard.id).label("id"),
+                _text_id(Shard.replica_id).label("replica_id"),
+                _text_id(Shard.node_id).label("node_id"),
+                Shard.rank,
+                Shard.hcas,
+                Shard.fabric,
+                Shard.leader_port,
+                Shard.launch_spec["threads"].label("threads"),
+                Shard.desired_state,
+                Shard.released,
+                Shard.observed_state,
+                Shard.observed_reason,
+                Shard.restarts,
+                gpus.c.indices,
+                gpus.c.migs,
+            )
+            .outerjoin(gpus, gpus.c.shard_id == Shard.id)
+            .order_by(Shard.rank)
         )
     ).all()
-    held: dict[uuid.UUID, list[Any]] = {}
-    for g in gpu_rows:
-        held.setdefault(g.shard_id, []).append(g)
-    shards_of: dict[uuid.UUID, list[ShardView]] = {}
-    for s in shard_rows:
-        node_id = NodeId(str(s.node_id))
+    shards_of: dict[str, list[ShardView]] = {}
+    for s in rows:
+        node_id = NodeId(s.node_id)
         placement_index = facts[node_id].placement_index if node_id in facts else {}
-        shards_of.setdefault(s.replica_id, []).append(
-            _shard_view(s, node_id, held.get(s.id, []), placement_index)
-        )
+        shards_of.setdefault(s.replica_id, []).append(_shard_view(s, node_id, placement_index))
     return shards_of
 
 
-def _shard_view(
-    s: Any, node_id: NodeId, held: list[Any], placement_index: Mapping[Device, int]
-) -> ShardView:
+def _shard_view(s: Any, node_id: NodeId, placement_index: Mapping[Device, int]) -> ShardView:
+    # A shard holding no live GPU (released, or CPU-only) has no aggregate row: NULL arrays.
+    held: list[Device] = list(zip(s.indices, s.migs, strict=True)) if s.indices else []
     return ShardView(
-        id=ShardId(str(s.id)),
-        replica_id=ReplicaId(str(s.replica_id)),
+        id=ShardId(s.id),
+        replica_id=ReplicaId(s.replica_id),
         node_id=node_id,
         rank=s.rank,
-        gpu_indices=tuple(
-            placement_index.get((g.gpu_index, g.mig_uuid), g.gpu_index) for g in held
-        ),
+        gpu_indices=tuple(placement_index.get(d, d[0]) for d in held),
         # The key gpu_assignments rows are written under (GPU.key): "3", or the MIG uuid.
-        gpu_keys=tuple(g.mig_uuid or str(g.gpu_index) for g in held),
+        gpu_keys=tuple(mig or str(index) for index, mig in held),
         hcas=tuple(s.hcas),
         fabric=s.fabric,
         leader_port=s.leader_port,
-        threads=int(s.launch_spec.get("threads") or 0),
+        threads=int(s.threads or 0),
         desired_state=s.desired_state,
         released=s.released,
         observed_state=s.observed_state,
@@ -371,8 +444,8 @@ def _shard_view(
 
 def _replica_view(r: Any, shards: Sequence[ShardView]) -> ReplicaView:
     return ReplicaView(
-        id=ReplicaId(str(r.id)),
-        deployment_id=DeploymentId(str(r.deployment_id)) if r.deployment_id else None,
+        id=ReplicaId(r.id),
+        deployment_id=DeploymentId(r.deployment_id) if r.deployment_id else None,
         profile_fingerprint=r.profile_fingerprint,
         created_at=r.created_at,
         shards=tuple(shards),
@@ -384,5 +457,7 @@ def _replica_view(r: Any, shards: Sequence[ShardView]) -> ReplicaView:
 
 async def _gpu_classes(session: AsyncSession) -> tuple[tuple[str, str], ...]:
     """The GPU classes admins stored, as (name, pattern) in name order."""
-    rows = (await session.execute(select(GpuClass).order_by(GpuClass.name))).scalars()
+    rows = (
+        await session.execute(select(GpuClass.name, GpuClass.pattern).order_by(GpuClass.name))
+    ).all()
     return tuple((c.name, c.pattern) for c in rows)

@@ -1,5 +1,5 @@
-"""What the router weighs for one request besides load, assembled from what this gateway knows
-of prompts; ``router.decide``, beside it, decides from it.
+"""What the router weighs for one request besides load (``router.Inputs``), assembled from what
+this gateway knows of prompts; ``router.decide``, beside it, decides from it.
 
 - Shares: per candidate replica, how much of the prompt's prefix it holds. The approximate
   tree's (``ApproxTree``: what this gateway sent where, by chunks of characters) and, for a
@@ -28,9 +28,11 @@ from typing import Any, Protocol
 
 from llmgw.gateway.routing.approx import ApproxTree
 from llmgw.gateway.routing.router import (
+    NO_PREFIX,
     Candidate,
     Decision,
     HashParams,
+    Inputs,
     home_key,
     hot_share,
     precise_shares,
@@ -44,7 +46,6 @@ __all__ = [
     "TREE_POLICIES",
     "Claim",
     "KvView",
-    "PrefixInputs",
     "RestartWatch",
     "Routed",
     "RoutedEndpoint",
@@ -94,20 +95,6 @@ class RoutedEndpoint(Protocol):
     def hash(self) -> HashParams | None: ...
     @property
     def incarnation(self) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixInputs:
-    """What ``router.decide`` weighs of a prompt's prefix, per candidate replica."""
-
-    approximate: dict[str, float] | None = None  # the tree's shares; None: not consulted
-    precise: dict[str, float] | None = None  # the index's, raised by claims; None: not scored
-    home: str | None = None  # where the request's session lives (router.home_key)
-    hot: float = 0.0  # the leading share more replicas should hold (router.hot_share)
-
-
-# A request whose policy does not look at prefixes, or whose prompt gave the tiers nothing.
-NO_PREFIX = PrefixInputs()
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +185,11 @@ def prefix_inputs(
     salt: str | None,
     lora: tuple[str, str] | None,
     now: float,
-) -> PrefixInputs:
+) -> Inputs:
     """The prefix inputs of a prompt the tree scored (``chunks``, ``approximate``: None when it
     did not) and that was tokenized (``tokens``: None when it was not), ``key`` being its
-    ``tree_key``; ``computing`` holds the claims."""
+    ``tree_key``; ``computing`` holds the claims. Its shares, home and hot share only: the
+    caller adds the prompt's length, session and draws."""
     precise: dict[str, float] | None = None
     home: str | None = None
     if tokens is not None and kv is not None:
@@ -222,7 +210,7 @@ def prefix_inputs(
         view = approximate if precise is None else {**approximate, **precise}
         forks = tree.fork_shares(key, chunks, now=now)
         hot = hot_share(forks, len(chunks), view.values())
-    return PrefixInputs(approximate, precise, home, hot)
+    return Inputs(precise=precise, approximate=approximate, home=home, hot=hot)
 
 
 def claim_of(
@@ -236,9 +224,7 @@ def claim_of(
     return None
 
 
-def routed(
-    decision: Decision, inputs: PrefixInputs, prompt_tokens: int, claim: Claim | None
-) -> Routed:
+def routed(decision: Decision, inputs: Inputs, prompt_tokens: int, claim: Claim | None) -> Routed:
     """The decision, with what of the prompt the replica computes: all of it but what the
     replica holds as far as this gateway can tell, its KV view (or a prefill of ours in flight
     there) where it was scored precisely. A decision the tree made because the index shows no

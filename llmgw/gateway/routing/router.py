@@ -1,10 +1,11 @@
 """The router's pure core: which replica of a model serves a request (docs/architecture.md §7).
 
 Inputs are plain values: the candidates (ready, non-draining replicas of the model, each with
-its load), the prompt's precise shares (from ``precise_shares`` over ``llmgw.kv``) and/or its
-approximate shares (from ``ApproxTree``), the policy, and tie-break inputs. Output is a
-``Decision``: the replica, the method that decided and the outcome, for
-``llmgw_prefix_decisions_total{model,method,outcome}``.
+its load), the gateway's ``Rule`` (the policy and its weights, from its settings) and the
+request's ``Inputs`` (the prompt's precise shares, from ``precise_shares`` over ``llmgw.kv``,
+and/or its approximate shares, from ``ApproxTree``; its length, home, hot share, session and
+the tie-break draws). Output is a ``Decision``: the replica, the method that decided and the
+outcome, for ``llmgw_prefix_decisions_total{model,method,outcome}``.
 
 The load rule (every prefix tier) weighs waiting against recomputing, in prompt tokens. A
 candidate's *work* is the prefill still queued on it (this gateway's requests that have not had
@@ -69,12 +70,15 @@ from llmgw.kv import PrefixIndex, block_hashes, hash64, scorable_blocks
 from llmgw.kv.hashing import ExtraKeyFormat
 
 __all__ = [
+    "NO_PREFIX",
     "Candidate",
     "Decision",
     "HashParams",
+    "Inputs",
     "Method",
     "Outcome",
     "Policy",
+    "Rule",
     "decide",
     "home_key",
     "hot_share",
@@ -105,6 +109,45 @@ class Candidate:
     shard: str  # the rank-0 shard: its KV view's name in the index
     load: int  # running + waiting (engine) + this gateway's in-flight
     work: float = 0.0  # prompt tokens queued for prefill ahead of a new request (estimated)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How this gateway decides, the same for every request (its settings): the policy, the
+    request guard ``load_slack``, the weight of recomputing a precisely held prefix, and how
+    much more cost, in prompt tokens, a request accepts to land on its home (0: off)."""
+
+    policy: Policy
+    load_slack: int = 8
+    recompute_weight: float = 3.0
+    affinity_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """What one request brings to ``decide`` besides the candidates.
+
+    ``precise``: replica -> share, for replicas scored from a complete KV view (None: precise
+    was not attempted). ``approximate``: replica -> share from the approximate tree (None: not
+    consulted). ``prompt_tokens``: the prompt's length (tokenized or estimated), what a miss
+    costs to compute; 0 leaves the share alone to decide among eligible replicas of equal
+    work. ``home``: the request's name for its home when it has no session (``home_key``).
+    ``hot``: the leading share of the prompt more replicas should hold (``hot_share``):
+    recomputing it costs nothing here. ``session``: the session it names. ``rotation``: a
+    counter for round-robin and tie rotation; ``pick`` in [0, 1) for the random policy."""
+
+    precise: Mapping[str, float] | None = None
+    approximate: Mapping[str, float] | None = None
+    prompt_tokens: int = 0
+    home: str | None = None
+    hot: float = 0.0
+    session: str | None = None
+    rotation: int = 0
+    pick: float = 0.0
+
+
+# A request whose policy does not look at prefixes, or whose prompt gave the tiers nothing.
+NO_PREFIX = Inputs()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,41 +236,18 @@ def _least_loaded(cands: Sequence[Candidate], session: str | None, rotation: int
     return _tie_break([c for c in cands if c.load == low], session, rotation)
 
 
-def decide(
-    candidates: Sequence[Candidate],
-    *,
-    policy: Policy,
-    precise: Mapping[str, float] | None = None,
-    approximate: Mapping[str, float] | None = None,
-    load_slack: int = 8,
-    prompt_tokens: int = 0,
-    recompute_weight: float = 3.0,
-    affinity_tokens: float = 0.0,
-    hot: float = 0.0,
-    home: str | None = None,
-    session: str | None = None,
-    rotation: int = 0,
-    pick: float = 0.0,
-) -> Decision:
-    """Choose among ``candidates`` (non-empty).
-
-    ``precise``: replica -> share, for replicas scored from a complete KV view (None: precise
-    was not attempted). ``approximate``: replica -> share from the approximate tree (None: not
-    consulted). ``prompt_tokens``: the prompt's length (tokenized or estimated), what a miss
-    costs to compute; 0 leaves the share alone to decide among eligible replicas of equal
-    work. ``home``: the request's name for its home when it has no session (``home_key``);
-    ``affinity_tokens``: how much more cost, in prompt tokens, a request accepts to land on its
-    home (0: off). ``hot``: the leading share of the prompt more replicas should hold
-    (``hot_share``): recomputing it costs nothing here. ``rotation``: a counter for
-    round-robin and tie rotation; ``pick`` in [0, 1) for the random policy.
-    """
+def decide(candidates: Sequence[Candidate], rule: Rule, inputs: Inputs = NO_PREFIX) -> Decision:
+    """Choose among ``candidates`` (non-empty) by ``rule``, weighing the request's ``inputs``."""
     if not candidates:
         raise ValueError("decide needs at least one candidate")
+    policy = rule.policy
+    precise, approximate = inputs.precise, inputs.approximate
+    session, rotation = inputs.session, inputs.rotation
     if policy == "round_robin":
         ordered = sorted(candidates, key=lambda c: c.replica)
         return Decision(ordered[rotation % len(ordered)].replica, "round_robin", "none", 0.0)
     if policy == "random":
-        index = min(len(candidates) - 1, int(pick * len(candidates)))
+        index = min(len(candidates) - 1, int(inputs.pick * len(candidates)))
         return Decision(candidates[index].replica, "random", "none", 0.0)
     if policy == "least_loaded" or (precise is None and approximate is None):
         chosen = _least_loaded(candidates, session, rotation)
@@ -258,10 +278,12 @@ def decide(
         method = "approximate"
         best_any = max(shares.values())
     low = min(c.load for c in candidates)
-    eligible = [c for c in candidates if c.load <= low + load_slack]
+    eligible = [c for c in candidates if c.load <= low + rule.load_slack]
     # Only what the KV index shows is worth waiting for beyond the break-even: the tree's
     # claims may be long evicted, and holding to them queues whole prefills on one replica.
-    recompute = prompt_tokens * (recompute_weight if method == "precise" else 1.0)
+    weight = rule.recompute_weight if method == "precise" else 1.0
+    recompute = inputs.prompt_tokens * weight
+    hot = inputs.hot
 
     def cost(c: Candidate) -> float:
         return c.work + (1.0 - max(shares[c.replica], hot)) * recompute
@@ -270,7 +292,8 @@ def decide(
     tied = [c for c in eligible if cost(c) == cheapest]
     share = max(shares[c.replica] for c in tied)
     tied = [c for c in tied if shares[c.replica] == share]
-    key = session or home
+    key = session or inputs.home
+    affinity_tokens = rule.affinity_tokens
     # A prompt nobody holds has no cache to share or protect: its prefill goes where it
     # starts soonest (a home would only queue it).
     if key is not None and affinity_tokens > 0.0 and best_any > 0.0:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -18,12 +17,12 @@ __all__ = ["RelayMetrics", "ShardCounters"]
 
 @dataclass(frozen=True, slots=True)
 class ShardCounters:
-    batches: Any
-    block_events: Any
-    malformed: Any
-    foreign: Any
-    cleared: Any
-    blocks: Any
+    batches: Counter
+    block_events: Counter
+    malformed: Counter
+    foreign: Counter
+    cleared: Counter
+    blocks: Gauge
 
 
 class RelayMetrics:
@@ -118,6 +117,6 @@ class RelayMetrics:
         _remove(self.lag, instance)
 
 
-def _remove(metric: Any, *labels: str) -> None:
+def _remove(metric: Counter | Gauge, *labels: str) -> None:
     with contextlib.suppress(KeyError):
         metric.remove(*labels)

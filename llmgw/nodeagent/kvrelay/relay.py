@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 from prometheus_client import CollectorRegistry
@@ -54,6 +55,10 @@ from llmgw.protocol.kvstream import (
 __all__ = ["KvRelay", "RelayView"]
 
 _log = get_logger(__name__)
+
+# What one POST came to: the receiver's verdict (protocol.kvstream.KvResult), a 429, or any
+# other failure (transport, status, an unreadable answer). Each is a label of the results metric.
+PostOutcome = Literal["ack", "retry", "need_full", "throttled", "error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,7 +405,7 @@ class KvRelay:
                 stream.on_retry(now, self._rand(), self._timing)
             return
 
-    async def _post(self, inst: _Instance, body: bytes) -> tuple[str, float]:
+    async def _post(self, inst: _Instance, body: bytes) -> tuple[PostOutcome, float]:
         """POST one body: (ack|retry|need_full|throttled|error, Retry-After seconds)."""
         assert self._session is not None
         try:

@@ -1,0 +1,121 @@
+"""A chat rendered as ``transformers.apply_chat_template`` renders it, for ``HfTokenizer``: the
+template environment HF templates expect (jinja2's immutable sandbox with ``trim_blocks``,
+``lstrip_blocks`` and loop controls, transformers' ``tojson`` filter, the ``raise_exception`` and
+``strftime_now`` globals), which of a tokenizer's templates a request uses, a message's content
+as vLLM hands it to the template, and the options every template refuses before rendering.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llmgw.errors import SpecError, clip
+
+__all__ = ["check_chat_options", "message_text", "pick_template", "template_environment"]
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' own tojson: jinja2's escapes HTML characters, which a prompt must keep.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    # The one clock a template may read (Llama 3's date line), as transformers gives it.
+    return datetime.now().strftime(fmt)
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def pick_template(config: Mapping[str, Any], files: Mapping[str, bytes], tools: bool) -> str:
+    """The template source a request uses ("" when there is none): chat_template.jinja, else
+    tokenizer_config.json's ``chat_template``, a string or named templates."""
+    raw = files.get("chat_template.jinja")
+    if raw is not None:
+        return raw.decode("utf-8")
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        # Named templates: "tool_use" for a request with tools where there is one, else
+        # "default", as transformers picks.
+        named = {
+            t["name"]: t["template"]
+            for t in value
+            if isinstance(t, Mapping)
+            and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
+        }
+        if tools and "tool_use" in named:
+            return str(named["tool_use"])
+        if "default" in named:
+            return str(named["default"])
+    return ""
+
+
+def message_text(content: Any) -> str | None:
+    """The text of a message's content as vLLM hands it to the template ("string" content
+    format): a list of text parts is joined with newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts: list[str] = []
+        for i, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise SpecError(
+                    f"content part {i} is of type {clip(str(kind))!r}: only text parts are "
+                    "rendered here",
+                    field="messages",
+                )
+        return "\n".join(texts)
+    raise SpecError(
+        f"a message's content is a {type(content).__name__}; send a string or a list of text parts",
+        field="messages",
+    )
+
+
+def check_chat_options(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> None:
+    """What every chat template refuses before rendering, as vLLM refuses it: the final
+    message cannot be both closed (a generation prompt) and continued, and a chat has one."""
+    if add_generation_prompt and continue_final_message:
+        raise SpecError(
+            "add_generation_prompt and continue_final_message are both true; "
+            "set add_generation_prompt=false to continue the final message",
+            field="continue_final_message",
+        )
+    if not messages:
+        raise SpecError("messages is empty; send at least one message", field="messages")
