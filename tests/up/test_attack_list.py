@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from tests.support.raw_http import closed_within, connect, exchange, status
+from tests.up.attacks import ATTACKS
 from tests.up.up_harness import Up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -253,6 +254,8 @@ def test_the_attack_list_against_a_real_up(pg_tmp_path: Path) -> None:
             _idle_and_trickling(run)
             _literal_secret(run)
             _huge_model_name(run)
+            for attack in ATTACKS:
+                attack(run)
             run.chat_ok("chat after")
         assert not [seen for seen in run.seen if seen[1] >= 500], run.seen
         logs = _logs(up)
