@@ -387,6 +387,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         gw_headers = {"Authorization": f"Bearer {api_key}"}
         gw_chat = cp.public_url + "/v1/chat/completions"
+        # The same gateway as `llmgw gateway` processes apart from the control plane, one
+        # target per --gateway-workers count, reading the same database (keys, routes).
+        procs: dict[str, tuple[str, int | None]] = {}
+        for n in args.gateway_workers:
+            port = free_port()
+            p = stack.spawn(
+                f"gateway-w{n}",
+                [sys.executable, "-m", "llmgw", "gateway", "--port", str(port),
+                 "--workers", str(n)],
+                base_env(
+                    LLMGW_CONTROLPLANE__DATABASE_URL=stack.db_url,
+                    LLMGW_GATEWAY__ROUTING_POLICY="least_loaded",
+                    LLMGW_LOG__LEVEL="info",
+                ),
+            )  # fmt: skip
+            # CPU is read from one process: a lone worker's (several are children of it).
+            procs[f"gateway_proc_w{n}"] = (
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                p.pid if n == 1 else None,
+            )
 
         def gateway_serves() -> bool:
             if agent is not None and agent.error is not None:
@@ -396,6 +416,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         wait_for(gateway_serves, timeout_s=60, what="the gateway to route to the canned upstream",
                  check=stack.check)  # fmt: skip
+        for name, (url, _) in procs.items():
+            wait_for(
+                lambda url=url: httpx.post(  # type: ignore[misc]
+                    url, json=_body(False, 4), headers=gw_headers, timeout=5
+                ).status_code == 200,
+                timeout_s=60, what=f"{name} to route", check=stack.check,
+            )  # fmt: skip
 
         engine_headers = {"Authorization": f"Bearer {engine_key}"}
         targets: dict[str, tuple[str, dict[str, str], int | None]] = {
@@ -411,6 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 floors["floor_httpx"][1],
             ),
             "gateway": (gw_chat, gw_headers, cp.pid),
+            **{name: (url, gw_headers, pid) for name, (url, pid) in procs.items()},
         }
         idle = {
             name: _idle_cpu_per_s(pid, 1.0) if pid else 0.0 for name, (_, _, pid) in targets.items()
@@ -538,8 +566,32 @@ def _report(
         }
         for kind in ("plain", "stream")
     }
+    # The gateway as processes of its own: requests/s at the most clients against the floor
+    # and against the gateway inside the control plane.
+    separate = {
+        name: {
+            kind: {
+                "requests_per_s": phases[f"{kind}_c{hi}"][name]["requests_per_s"],
+                "share_of_floor": round(
+                    phases[f"{kind}_c{hi}"][name]["requests_per_s"]
+                    / phases[f"{kind}_c{hi}"]["floor"]["requests_per_s"],
+                    3,
+                ),
+                "ratio_to_in_process": round(
+                    phases[f"{kind}_c{hi}"][name]["requests_per_s"]
+                    / phases[f"{kind}_c{hi}"]["gateway"]["requests_per_s"],
+                    3,
+                ),
+                "latency_p50_ms_at_one_client": phases[f"{kind}_c{lo}"][name]["latency_ms"]["p50"],
+            }
+            for kind in ("plain", "stream")
+        }
+        for name in phases[f"plain_c{hi}"]
+        if name.startswith("gateway_proc_")
+    }
     return {
         "bench": "gateway",
+        "gateway_processes": separate,
         "routing_policy": "least_loaded",
         "chunks": args.chunks,
         "cpu_count": os.cpu_count(),
@@ -567,6 +619,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunks", type=int, default=16, help="content chunks per stream")
     parser.add_argument("--timing-chunks", type=int, default=10)
     parser.add_argument("--interval-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--gateway-workers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also measure `llmgw gateway --workers N` apart from the control plane, per N",
+    )
     args = parser.parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=2))

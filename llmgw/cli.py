@@ -18,6 +18,10 @@ app = typer.Typer(
 app.command("up")(up.up)
 app.add_typer(db.app, name="db")
 app.command("controlplane")(controlplane.controlplane)
+# The public OpenAI listener in processes of its own (llmgw/serve/gateway_process.py).
+from llmgw.commands import gateway as _gateway  # noqa: E402
+
+app.command("gateway")(_gateway.gateway)
 app.add_typer(kv.app, name="kv")
 app.add_typer(engines.app, name="engines")
 app.command("get")(get.get)

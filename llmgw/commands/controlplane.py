@@ -2,7 +2,8 @@
 
 The internal listener (``--host``/``--port``, default 127.0.0.1:8081) carries the
 admin API, health, readiness and the docs; the public one (``--public-host``/
-``--public-port``, the gateway's address) carries the OpenAI API only.
+``--public-port``, the gateway's address) carries the OpenAI API only; with
+``--no-public-listener`` the OpenAI API is left to `llmgw gateway` processes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def controlplane(
         int | None,
         typer.Option(help="Public (OpenAI API) listener port (overrides gateway.port)."),
     ] = None,
+    public_listener: Annotated[
+        bool,
+        typer.Option(
+            help="Serve the OpenAI API here too; --no-public-listener leaves it to `llmgw "
+            "gateway` processes, so a flood on it cannot delay syncs, the leader or operators."
+        ),
+    ] = True,
 ) -> None:
     """Serve the OpenAI API on the public listener and the admin API, agent API, health,
     readiness and metrics on the internal listener."""
@@ -49,4 +57,4 @@ def controlplane(
             overrides.setdefault(section, {})[key] = value
     from llmgw.serve.process import run_controlplane
 
-    run_controlplane(config, overrides)
+    run_controlplane(config, overrides, public=public_listener)

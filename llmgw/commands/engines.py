@@ -39,6 +39,8 @@ class _InputError(Exception):
 def _load(path: Path) -> Any:
     import yaml
 
+    from llmgw.errors import SpecError
+
     with path.open("rb") as f:
         data = f.read(_MAX_INPUT_BYTES + 1)
     if len(data) > _MAX_INPUT_BYTES:
@@ -50,8 +52,13 @@ def _load(path: Path) -> Any:
     try:
         if path.suffix.lower() == ".json":
             return json.loads(text)
-        # YAML is a superset of JSON, so one parser takes either.
-        return yaml.safe_load(text)
+        # YAML is a superset of JSON, so one parser takes either; llmgw's strict one (no
+        # aliases, no duplicate keys, bounded), as `llmgw apply` reads files.
+        from llmgw.documents import load_yaml
+
+        return load_yaml(text, str(path))
+    except SpecError as exc:
+        raise _InputError(exc.message) from None
     except json.JSONDecodeError as exc:
         raise _InputError(
             f"{path}: not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote
 
 import typer
 
@@ -24,7 +25,8 @@ NodeName = Annotated[str, typer.Argument(help="The node's name (llmgw get nodes)
 
 def _post(verb: str, name: str, url: str | None, token: str | None, data_dir: Path | None) -> None:
     with admin_client(url, token, data_dir) as client:
-        client.request("POST", f"/nodes/{name}/{verb}")
+        # Percent-encoded: a node named before the name rule (a newline in it) stays reachable.
+        client.request("POST", f"/nodes/{quote(name)}/{verb}")
 
 
 @app.command()
@@ -89,5 +91,5 @@ def delete(
 ) -> None:
     """Forget a node that holds no live shards (drain it first)."""
     with admin_client(url, admin_token, data_dir) as client:
-        client.request("DELETE", f"/nodes/{name}")
+        client.request("DELETE", f"/nodes/{quote(name)}")
     typer.echo(f"node/{name} deleted")

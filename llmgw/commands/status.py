@@ -29,7 +29,7 @@ from llmgw.commands._admin_client import (
 )
 from llmgw.commands._common import exit_on_error
 from llmgw.commands.tables import render_table
-from llmgw.controlplane.console.fleet_view import prefix_hit_rates, rollout_text
+from llmgw.controlplane.console.fleet_view import node_state, prefix_hit_rates, rollout_text
 from llmgw.errors import LlmgwError
 
 __all__ = ["collect", "prefix_hit_rates", "render", "status", "tokenizer_modes"]
@@ -58,13 +58,15 @@ def _metrics(conn: AdminConnection) -> dict[str, dict[str, Any]] | None:
 def tokenizer_modes(metrics_text: str) -> dict[str, str]:
     """Per model, how precise routing tokenizes its prompts (``llmgw_prefix_tokenizer_mode``:
     local, remote or none), and why where local is off: "remote (profile)" where a profile says
-    ``tokenizer: none`` (``llmgw_prefix_tokenizer_profile_none``), else "remote (mismatch)"
-    where a verification turned local off."""
+    ``tokenizer: none`` (``llmgw_prefix_tokenizer_profile_none``), "remote (failing: <why>)"
+    where failures turned it off (``llmgw_prefix_tokenizer_failing``), else "remote
+    (mismatch)" where a verification turned local off."""
     from prometheus_client.parser import text_string_to_metric_families
 
     modes: dict[str, str] = {}
     mismatched: set[str] = set()
     by_profile: set[str] = set()
+    failing: dict[str, str] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             model = sample.labels.get("model", "")
@@ -74,10 +76,14 @@ def tokenizer_modes(metrics_text: str) -> dict[str, str]:
                 mismatched.add(model)
             elif sample.name == "llmgw_prefix_tokenizer_profile_none" and sample.value == 1:
                 by_profile.add(model)
+            elif sample.name == "llmgw_prefix_tokenizer_failing" and sample.value == 1:
+                failing[model] = sample.labels.get("reason", "")
     out: dict[str, str] = {}
     for m, mode in modes.items():
         if mode == "remote" and m in by_profile:
             mode = "remote (profile)"
+        elif mode == "remote" and m in failing:
+            mode = f"remote (failing: {failing[m]})"
         elif mode == "remote" and m in mismatched:
             mode = "remote (mismatch)"
         out[m] = mode
@@ -131,6 +137,7 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
             }
         )
     rates = _metrics(conn)
+    now = datetime.now(UTC)
     return {
         "demand": _demand(client),
         "nodes": [
@@ -144,6 +151,7 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
                 "cordoned": n.get("cordoned"),
                 "draining": n.get("draining"),
                 "last_sync_at": n.get("last_sync_at"),
+                "state": _node_state(n.get("approval_state"), n, now),
             }
             for n in nodes
         ],
@@ -179,6 +187,17 @@ def _demand(client: AdminClient) -> list[dict[str, Any]] | None:
     return items if isinstance(items, list) else None
 
 
+def _node_state(approval: Any, n: dict[str, Any], now: datetime) -> str:
+    """The console's judgement of a node (``fleet_view.node_state``): one rule on both screens."""
+    return node_state(
+        approval=approval,
+        cordoned=n.get("cordoned"),
+        draining=n.get("draining"),
+        last_sync_at=n.get("last_sync_at"),
+        now=now,
+    )
+
+
 def _age(ts: Any) -> str:
     if not isinstance(ts, str):
         return "never"
@@ -208,7 +227,7 @@ def render(data: dict[str, Any]) -> str:
                     n["pool"],
                     f"{n['free_gpus']}/{n['gpus']}",
                     n["shards"],
-                    "draining" if n["draining"] else "cordoned" if n["cordoned"] else "ok",
+                    n.get("state") or _node_state(n.get("approval"), n, datetime.now(UTC)),
                     _age(n["last_sync_at"]),
                 ]
                 for n in data["nodes"]

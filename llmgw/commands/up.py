@@ -68,6 +68,17 @@ def up(
             "GPUs (NVML), if any, are offered too, by a second agent. 0: real GPUs only.",
         ),
     ] = 8,
+    gateway_workers: Annotated[
+        int,
+        typer.Option(
+            "--gateway-workers",
+            min=0,
+            max=64,
+            help="Serve the OpenAI API from this many `llmgw gateway` processes of its own, "
+            "apart from the control plane (a flood on it cannot delay syncs or operators). "
+            "0: the control plane serves it too.",
+        ),
+    ] = 1,
     config: ConfigOption = None,
 ) -> None:
     """Run everything on this machine: a private Postgres, the control plane, a node agent
@@ -102,6 +113,7 @@ def up(
         internal_host=settings.controlplane.internal_host,
         sim_gpus=sim_gpus,
         agent_listen_host=settings.agent.listen_host,
+        gateway_workers=gateway_workers,
     )
     aio = AllInOne(opts, say=lambda msg: typer.echo(msg, err=True), show=typer.echo)
     # SIGHUP too: a closed terminal or ssh session is a request to stop, not a reason to leave

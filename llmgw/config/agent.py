@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from llmgw.config.section import Section
+from llmgw.protocol.names import name_problem
 
 __all__ = ["AgentSettings"]
 
@@ -174,6 +175,17 @@ class AgentSettings(Section):
     sync_timeout_s: float = Field(default=10.0, gt=0)
     log_max_bytes: int = Field(default=16 << 20, gt=0)
     log_backups: int = Field(default=3, ge=0)
+
+    @field_validator("node_name")
+    @classmethod
+    def _check_node_name(cls, v: str) -> str:
+        # Checked at start: the control plane refuses a registration under any other name,
+        # and an agent that only learnt so from its refusals would retry forever.
+        if v:
+            problem = name_problem(v)
+            if problem is not None:
+                raise ValueError(f"{problem}; empty means the host name")
+        return v
 
     @field_validator("engines")
     @classmethod

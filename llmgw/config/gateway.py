@@ -117,7 +117,7 @@ class GatewaySettings(Section):
         "model alone.",
     )
     local_tokenize_workers: int = Field(
-        default=2, ge=1, le=64, description="Threads tokenizing prompts locally."
+        default=2, ge=1, le=64, description="Worker processes tokenizing prompts locally."
     )
     local_tokenize_timeout_s: float = Field(
         default=0.05,
@@ -130,14 +130,14 @@ class GatewaySettings(Section):
         default=2048,
         ge=0,
         le=1_000_000,
-        description="A prompt whose uncached pieces (after the shared ones the tokenizer has "
-        "cached, such as a system prompt) come to at most this many characters is encoded on "
-        "the event loop (well under a millisecond); a longer one on the tokenizing threads.",
+        description="Unused: every prompt is tokenized in the worker processes (a small "
+        "chat adds ~0.1 ms there). Kept so existing settings files still load.",
     )
     local_tokenize_max_chars: int = Field(
         default=1_000_000,
         ge=1000,
-        description="Prompts longer than this many characters are not tokenized locally.",
+        description="A prompt the gateway tokenizes locally whose text, or whose rendered "
+        "chat template, is longer than this many characters is refused (400).",
     )
     tokenizer_verify_first: int = Field(
         default=8,
@@ -211,6 +211,16 @@ class GatewaySettings(Section):
         default=256 * 1024 * 1024,
         ge=0,
         le=64 * 1024**3,
-        description="Request body bytes one model's queue holds at most (default 256 MiB), so "
-        "a queue of large prompts cannot exhaust the gateway's memory; more are shed with 503.",
+        description="Request memory one model's queue holds at most (default 256 MiB): what "
+        "each queued request's parsed body and prompt hold, walked (up to ~24x its raw bytes "
+        "for a body of many small values), so a queue of large prompts cannot exhaust the "
+        "gateway's memory; a request past it is refused with 429 and Retry-After.",
+    )
+    queue_max_bytes_total: int = Field(
+        default=512 * 1024 * 1024,
+        ge=0,
+        le=256 * 1024**3,
+        description="Request memory all models' queues hold together at most (default "
+        "512 MiB), counted as for queue_max_bytes: without it N models could hold N times "
+        "queue_max_bytes. A request past it is refused with 429 and Retry-After.",
     )

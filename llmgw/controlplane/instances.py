@@ -31,7 +31,14 @@ from llmgw.store.instances import (
 )
 
 # InstanceIdentity is listed because InstanceHeartbeat takes one: it is this shell's API too.
-__all__ = ["LIVE_PERIODS", "InstanceHeartbeat", "InstanceIdentity", "new_instance_id"]
+__all__ = [
+    "GATEWAY_ID_PREFIX",
+    "LIVE_PERIODS",
+    "InstanceHeartbeat",
+    "InstanceIdentity",
+    "is_gateway",
+    "new_instance_id",
+]
 
 log = get_logger("llmgw.controlplane.instances")
 
@@ -40,10 +47,20 @@ log = get_logger("llmgw.controlplane.instances")
 LIVE_PERIODS = 3
 
 
-def new_instance_id() -> str:
-    """host-pid-random: readable in logs, unique across restarts (the pid may be reused)."""
+# A `llmgw gateway` process's row: agents relay KV deltas to it like to any instance, and a
+# control plane tells it apart by this prefix (to read its metrics, never to act as a peer).
+GATEWAY_ID_PREFIX = "gateway-"
+
+
+def new_instance_id(*, gateway: bool = False) -> str:
+    """host-pid-random: readable in logs, unique across restarts (the pid may be reused);
+    ``gateway``: with ``GATEWAY_ID_PREFIX``."""
     host = socket.gethostname().split(".", 1)[0][:40] or "host"
-    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"{GATEWAY_ID_PREFIX if gateway else ''}{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def is_gateway(instance_id: str) -> bool:
+    return instance_id.startswith(GATEWAY_ID_PREFIX)
 
 
 class InstanceHeartbeat:

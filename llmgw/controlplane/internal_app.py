@@ -42,8 +42,10 @@ from llmgw.errors import ConfigError
 from llmgw.http.admin_auth import AdminAuth
 from llmgw.http.body_guard import BodyGuard
 from llmgw.http.request_log import RequestLog
+from llmgw.http.throttle import AuthThrottle
 from llmgw.kv.shard_views import ShardViews
 from llmgw.planner.snapshot import PlanSettings
+from llmgw.protocol.sync import KV_PATH, SYNC_PATH
 from llmgw.store import migrations
 from llmgw.store.database import create_engine, session_factory
 from llmgw.store.notify import NotifyHub
@@ -144,8 +146,16 @@ def create_app(
         # The console checks its session cookie first, then reads at most a small form itself.
         skip_prefixes=("/agent/", "/ui/"),
     )
-    app.add_middleware(AdminAuth, token=settings.admin_token, prefix="/admin")
-    app.add_middleware(RequestLog, listener="internal", internal_error=internal_error_body)
+    # One budget of wrong admin tokens for the Bearer check and the console's sign-in.
+    throttle = AuthThrottle()
+    app.add_middleware(AdminAuth, token=settings.admin_token, prefix="/admin", throttle=throttle)
+    app.add_middleware(
+        RequestLog,
+        listener="internal",
+        internal_error=internal_error_body,
+        # Every agent's routine traffic (a sync every ~2 s, KV deltas): debug when it succeeds.
+        quiet_paths=(SYNC_PATH, KV_PATH),
+    )
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -181,7 +191,9 @@ def create_app(
     app.include_router(admin_router)
     # The web console at /ui: pages over the admin API, behind its own sign-in.
     intake = parts.kv
-    console = install_console(app, admin_token=settings.admin_token, registry=metrics, kv=intake)
+    console = install_console(
+        app, admin_token=settings.admin_token, registry=metrics, kv=intake, throttle=throttle
+    )
     # Registration, sync and KV deltas; starts and stops with the app (heartbeats, instances).
     install_agent_api(
         app,

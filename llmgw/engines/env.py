@@ -23,6 +23,7 @@ __all__ = [
     "OWNED_ENV",
     "UNSAFE_ENV",
     "UNSAFE_ENV_PREFIXES",
+    "UNSAFE_ENV_SUFFIXES",
     "base_env_from",
     "is_secret_name",
     "materialize_env",
@@ -66,6 +67,48 @@ _CODE_LOADING: dict[str, str] = {
     "ENV": "sh runs the file it names",
     "SHELLOPTS": "bash applies the shell options it names",
     "BASHOPTS": "bash applies the shell options it names",
+    # Where programs and the files they load are looked up (hardening-3 finding 16). Each
+    # points the engine at files of the profile author's choosing, which it then runs or
+    # loads as code: the node's own values are inherited (BASE_ENV_NAMES), a profile's are
+    # not, and HF_HOME stays settable (a model cache; code under it runs only with a
+    # trust-remote-code flag, which the engine's own validation governs).
+    "PATH": "the engine's launcher and the tools it runs (python, ninja, the C compiler) "
+    "are looked up in the directories it names",
+    "HOME": "Python runs the .pth files of the user site-packages under it, and tools "
+    "read their configuration from it",
+    "TMPDIR": "torch.compile and Triton compile kernels into the temporary directory and "
+    "load them from it",
+    "TMP": "Python takes its temporary directory from it (TMPDIR's reason)",
+    "TEMP": "Python takes its temporary directory from it (TMPDIR's reason)",
+    "OPENSSL_CONF": "OpenSSL loads the engines and providers its configuration file names",
+    "OPENSSL_ENGINES": "OpenSSL loads engine libraries from the directory it names",
+    "OPENSSL_MODULES": "OpenSSL loads provider libraries from the directory it names",
+    "TORCH_EXTENSIONS_DIR": "torch loads the compiled extensions it finds there",
+    "TORCHINDUCTOR_CACHE_DIR": "torch.compile loads the compiled kernels it finds there",
+    "TRITON_CACHE_DIR": "Triton loads the compiled kernels and launchers it finds there",
+    "TRITON_HOME": "Triton keeps its cache of compiled launchers under it",
+    "TRITON_OVERRIDE_DIR": "Triton loads kernel overrides from it",
+    "TRITON_PTXAS_PATH": "Triton runs the binary it names",
+    "TRITON_CUOBJDUMP_PATH": "Triton runs the binary it names",
+    "TRITON_NVDISASM_PATH": "Triton runs the binary it names",
+    "TRITON_LIBCUDA_PATH": "Triton loads libcuda from the directory it names",
+    "CC": "Triton and torch run the C compiler it names",
+    "CXX": "torch runs the C++ compiler it names",
+    "VLLM_CACHE_ROOT": "vLLM loads compiled graphs from it",
+    "VLLM_CONFIG_ROOT": "vLLM reads its configuration files from it",
+    "VLLM_LOGGING_CONFIG_PATH": "Python's logging configuration it names can instantiate any class",
+    "HF_MODULES_CACHE": "transformers imports model code from it",
+    "LOCPATH": "glibc loads locale files from it",
+    "NLSPATH": "glibc loads message catalogs from it",
+    # Other interpreters' code-loading switches, for engines' helper scripts.
+    "NODE_OPTIONS": "node preloads the modules it names",
+    "PERL5OPT": "perl runs the options it holds (-M loads modules)",
+    "PERL5LIB": "perl imports modules from the directories it names",
+    "PERLLIB": "perl imports modules from the directories it names",
+    "RUBYOPT": "ruby runs the options it holds (-r loads code)",
+    "RUBYLIB": "ruby loads code from the directories it names",
+    "JAVA_TOOL_OPTIONS": "the JVM loads the agents it names",
+    "_JAVA_OPTIONS": "the JVM loads the agents it names",
     # Developer switches that open endpoints or decoders to callers of the
     # engine: /collective_rpc and friends, pickle decoding, and loading LoRA
     # adapters from arbitrary paths at request time.
@@ -80,7 +123,29 @@ UNSAFE_ENV_PREFIXES: dict[str, str] = {
     "LD_": "the dynamic loader reads LD_* variables",
     "DYLD_": "the dynamic loader reads DYLD_* variables",
     "BASH_FUNC_": "bash imports exported functions from BASH_FUNC_* variables",
+    # XDG_CONFIG_HOME, XDG_DATA_HOME, XDG_CACHE_HOME (Triton's and vLLM's caches of compiled
+    # code fall back to it), XDG_*_DIRS: where programs find the files they load.
+    "XDG_": "XDG_* variables say where programs find their configuration, data and caches "
+    "of compiled code",
 }
+
+# Python reads every PYTHON* variable at startup, and new ones appear with new versions
+# (PYTHONPLATLIBDIR relocates the standard library): only these switches, which change
+# no file Python reads, may be set; the rest are refused by their prefix.
+_PYTHON_SWITCHES: frozenset[str] = frozenset(
+    {
+        "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER",
+        "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONNOUSERSITE", "PYTHONSAFEPATH",
+        "PYTHONOPTIMIZE", "PYTHONDEVMODE", "PYTHONTRACEMALLOC", "PYTHONMALLOC",
+        "PYTHONASYNCIODEBUG", "PYTHONINTMAXSTRDIGITS", "PYTHONWARNDEFAULTENCODING",
+        "PYTHONCOERCECLOCALE", "PYTHONNODEBUGRANGES", "PYTHONVERBOSE",
+    }
+)  # fmt: skip
+
+# A configuration file a process reads can name libraries, plugins or code to load
+# (NCCL_CONF_FILE sets NCCL_NET_PLUGIN, a logging config instantiates classes): a profile
+# names none; the engine's settings travel as flags and plain variables.
+UNSAFE_ENV_SUFFIXES: tuple[str, ...] = ("_CONF", "_CONF_FILE", "_CONFIG_FILE", "_CONFIG_PATH")
 
 # Variables llmgw sets itself. A profile value would silently undo a rule:
 # another shard's GPUs, another fabric's HCAs, a KV hash seed the router does
@@ -122,6 +187,13 @@ def unsafe_env_reason(name: str) -> str | None:
     for prefix, why in UNSAFE_ENV_PREFIXES.items():
         if name.startswith(prefix):
             return why
+    if name.startswith("PYTHON") and name not in _PYTHON_SWITCHES:
+        return (
+            "Python reads PYTHON* variables at startup, and some load code or relocate "
+            f"the files it loads; only {', '.join(sorted(_PYTHON_SWITCHES))} may be set"
+        )
+    if name.endswith(UNSAFE_ENV_SUFFIXES):
+        return "a configuration file the process reads can name libraries or code to load"
     return None
 
 

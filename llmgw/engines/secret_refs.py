@@ -19,11 +19,18 @@ from typing import Literal
 
 from llmgw.errors import SpecError
 
-__all__ = ["SecretReference", "check_secret_refs", "parse_secret_ref"]
+__all__ = [
+    "SecretReference",
+    "check_secret_refs",
+    "parse_secret_ref",
+]
 
 # What a variable of the agent's environment can be called: a systemd EnvironmentFile or a
 # shell sets no other name, so `env:$HF_TOKEN` or `env:HF TOKEN` could never resolve.
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+_KERNEL_DIRS = ("proc", "sys", "dev")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,17 @@ def parse_secret_ref(name: str, ref: str) -> SecretReference:
                 "digits and _ (not starting with a digit), as env:HF_TOKEN",
                 field=field,
             )
+        if var.upper().startswith("LLMGW_"):
+            # The agent's environment holds llmgw's own settings and secrets (its bootstrap
+            # token; under `llmgw up`, the control plane's admin token and database URL):
+            # a profile that could name them would hand them to an engine. Case-blind, as
+            # llmgw's settings read the environment.
+            raise SpecError(
+                f"secret_env {name!r}: an env: reference may not name an LLMGW_* variable: "
+                "those are llmgw's own settings and credentials, never an engine's; put the "
+                "engine's secret in a variable of its own (env:HF_TOKEN)",
+                field=field,
+            )
         return SecretReference("env", var)
     if ref.startswith("file:"):
         path = ref[5:]
@@ -58,6 +76,16 @@ def parse_secret_ref(name: str, ref: str) -> SecretReference:
             raise SpecError(
                 f"secret_env {name!r}: a file: reference must name an absolute path, "
                 "as file:/run/secrets/hf_token",
+                field=field,
+            )
+        parts = path.split("/")
+        if ".." in parts or parts[1] in _KERNEL_DIRS:
+            # /proc/self/environ is the agent's whole environment, its credentials included;
+            # a ".." could walk anywhere a prefix check would not look.
+            raise SpecError(
+                f"secret_env {name!r}: a file: reference must name a secret file without "
+                "'..' and outside /proc, /sys and /dev (kernel interfaces, the agent's own "
+                "environment among them), as file:/run/secrets/hf_token",
                 field=field,
             )
         return SecretReference("file", path)

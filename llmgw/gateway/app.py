@@ -4,7 +4,8 @@ A request reads top to bottom, one step per method, each step's work in its own 
 
 - parse (``_parse``): the key (``keys``, from the header, before any body byte is read), the
   body (capped and bounded, ``llmgw.http.bodies``), the model (the key's allow-list, the route
-  table as ``table_view`` shows it), the prompt (``wire``);
+  table as ``table_view`` shows it), the fields it acts on as the engine reads them
+  (``engine_fields``), the prompt (``wire``);
 - admit (``_admit``): the key's limits reserve the request's tokens (``limits``), then it waits
   for room at the model's replicas (``flow``: queued fairly, or shed);
 - route (``_route``): the replica, by ``route_step`` (what the pure ``router.decide`` weighs:
@@ -37,6 +38,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from starlette.types import Message, Receive, Scope, Send
 
 from llmgw.config import GatewaySettings
+from llmgw.gateway.engine_fields import canonicalize
 from llmgw.gateway.errors import (
     GatewayError,
     bad_request,
@@ -277,7 +279,12 @@ class Gateway(Generic[K]):
         watch = DisconnectWatch(receive)
         try:
             await flow.enter(
-                asked.route, asked.key.key_id, _priority(asked.key), asked.size, asked.estimate
+                asked.route,
+                asked.key.key_id,
+                _priority(asked.key),
+                asked.size,
+                asked.estimate,
+                held=(asked.body, asked.prompt.text),  # what it keeps alive if it is queued
             )
             granted = True
             route, chosen = await self._route(asked)
@@ -309,6 +316,8 @@ class Gateway(Generic[K]):
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad_request("`model` is required: a name from GET /v1/models", param="model")
+        # Before anything reads the body: the fields it acts on become the engine's values.
+        canonicalize(body, chat=chat)
         prompt = prompt_of(body, chat=chat)
         allowed = key.allowed_models
         route = self.table.route(model)

@@ -16,6 +16,8 @@ message. The table below is the contract (status, ``type``, ``code``):
     429     rate_limit_error        rate_limit_exceeded   rpm / tpm / concurrency (Retry-After set)
     429     insufficient_quota      insufficient_quota    the key's token quota for the period
     502     api_error               upstream_error        the replica failed after the retry rule
+    502     api_error               engine_error          the engine answered this request 500 (or
+                                                          another 5xx of its own): not retryable
     503     api_error               no_ready_replica      nothing ready serves the model now
     503     api_error               model_overloaded      the model's queue is full or the wait too
                                                           long (Retry-After: the queue's drain time)
@@ -27,7 +29,9 @@ must not see it move when the admin API's table does.
 
 What this module must NOT do: echo a secret. Messages are built by the raiser from
 names and numbers, never from header values or request bodies; a name the client sent (a
-model, a path) is quoted through ``llmgw.errors.clip``, so a 4 MB name is not a 4 MB answer.
+model, a path) is quoted through ``llmgw.errors.clip``, so a 4 MB name is not a 4 MB answer,
+and so is an engine's own error message (``engine_error``: the client's own request's
+verdict, as an engine's 4xx relayed whole is).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ __all__ = [
     "GatewayError",
     "bad_request",
     "body_too_large",
+    "engine_error",
     "internal_error",
     "method_not_allowed",
     "openai_error_body",
@@ -196,6 +201,22 @@ def upstream_failed(model: str, why: str) -> GatewayError:
         f"the replica serving {model!r} failed: {why}; retry the request",
         type_="api_error",
         code="upstream_error",
+    )
+
+
+def engine_error(model: str, status: int, said: str) -> GatewayError:
+    """502: the replica's engine was reached and answered this request with a 5xx of its own
+    (``said``: its error message, "" for none). Deterministic as often as not (a request its
+    chat template cannot render), so the client is told what the engine said, not to retry:
+    a blind retry loop on such a request only repeats the failure."""
+    what = f": {clip(said)}" if said else " without a message"
+    return GatewayError(
+        502,
+        f"the engine serving {model!r} failed on this request (it answered {status}{what}); "
+        "sending the same request again will most likely fail the same way: check it against "
+        "the model's chat template and parameters, or report it to the operator with the time",
+        type_="api_error",
+        code="engine_error",
     )
 
 

@@ -17,6 +17,19 @@ instead of an immediate 503. The first held request calls ``on_hold`` (the deman
 writes at once and NOTIFYs the leader), and the ticker re-reads the route table (``refresh``)
 so held requests leave as soon as a replica is ready.
 
+Memory: a held request keeps its parsed body alive, which costs up to ~24x its raw bytes
+(``routing.held_cost``). A request about to be queued is charged what its body and prompt
+really hold, walked in slices that give the loop back, against its model's
+``gateway.queue_max_bytes`` and against ``gateway.queue_max_bytes_total`` for all models'
+queues together (N models once allowed N times the per-model bound); past either it is refused
+with 429 + Retry-After naming the bound, before it is queued. A request that goes on at once is
+not walked: only what waits is held.
+
+A wake that cannot succeed (the route's ``wake_blocked``: the leader cannot place a replica, or
+the deployment's engine crash-loops, as ``store.routes`` reads it) answers the requests held
+for it at once, and refuses new ones, with 503 + Retry-After and that reason, instead of
+"overloaded" after the whole ``gateway.queue_timeout_s``.
+
 The gateway's own upstream pool (``gateway.upstream_pool_size`` connections, all replicas)
 bounds the sum as well, less a reserve for the load scrape and tokenizing: a request past
 the pool would wait for a connection inside aiohttp, unfairly and against the connect
@@ -47,6 +60,7 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
 from llmgw.gateway.routing.admission import AdmissionWindows
 from llmgw.gateway.routing.fair_queue import DrainRate, FairQueue
+from llmgw.gateway.routing.held_cost import walk
 from llmgw.gateway.wire import Settleable
 from llmgw.logs import get_logger
 
@@ -60,6 +74,10 @@ _TICK_S = 0.2
 _POOL_RESERVE = 16
 _RETRY_AFTER_FLOOR_S = 1.0
 _RETRY_AFTER_CEILING_S = 60.0
+# A wake the leader says cannot succeed needs an operator (a node, a fixed profile): retrying
+# sooner than the leader's next passes finds the same reason.
+_WAKE_BLOCKED_RETRY_S = 30.0
+_MIB = 1024 * 1024
 # Weight of each routed request in a model's moving hit rate (~the last 50).
 _HIT_WEIGHT = 0.02
 
@@ -122,6 +140,10 @@ class FlowControl:
         self.windows.configure(ceilings.items())
         # Queues of names gone from the table keep their last route: they drain or time out.
         self._routes.update(table.routes)
+        for model, queue in self._queues.items():
+            held_for = table.routes.get(model)
+            if queue and held_for is not None and not held_for.endpoints and held_for.wake_blocked:
+                self._answer_held(held_for, queue)
         now = self._clock()
         for model in [m for m in self._held_since if table.routes.get(m) is not None]:
             if table.routes[model].endpoints:
@@ -180,18 +202,34 @@ class FlowControl:
         return min(free - self._granted.get(route.name, 0), pool)
 
     async def enter(
-        self, route: ModelRoute, key_id: str, priority: int, size_bytes: int, prompt_tokens: int = 0
+        self,
+        route: ModelRoute,
+        key_id: str,
+        priority: int,
+        size_bytes: int,
+        prompt_tokens: int = 0,
+        held: tuple[object, ...] = (),
     ) -> None:
         """Return holding a grant for ``route``'s model (``release`` it when the request is
-        sent or fails before), or raise the 503 that sheds it. Cancelled (the client left,
-        the process stops): leaves the queue at once. ``prompt_tokens``: its estimate, for
-        the demand the autoscaler reads."""
+        sent or fails before), or raise the 503 that sheds it (the 429 of a memory bound).
+        Cancelled (the client left, the process stops): leaves the queue at once.
+        ``prompt_tokens``: its estimate, for the demand the autoscaler reads. ``held``: what
+        the request keeps alive while it waits (its parsed body, its prompt text), walked for
+        its cost only if it is queued; ``size_bytes`` (its raw body) is the least it costs."""
         model = route.name
         queue = self._queues.get(model)
         if route.endpoints and (queue is None or not queue) and self._model_room(route) > 0:
             self._granted[model] = self._granted.get(model, 0) + 1
             return
+        if not route.endpoints and route.wake_blocked:
+            raise self._wake_blocked(route)
         s = self._settings
+        cost = await self._held_cost(model, size_bytes, held)
+        if route.endpoints and self._model_room(route) > 0 and not self._queues.get(model):
+            # Room appeared while the cost was walked.
+            self._granted[model] = self._granted.get(model, 0) + 1
+            return
+        queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = FairQueue(
                 max_requests=s.queue_max_requests, max_bytes=s.queue_max_bytes
@@ -199,8 +237,10 @@ class FlowControl:
             self._drain[model] = DrainRate()
         now = self._clock()
         grant: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = queue.push(key_id, grant, size_bytes=size_bytes, now=now, priority=priority)
+        entry = queue.push(key_id, grant, size_bytes=cost, now=now, priority=priority)
         if isinstance(entry, str):
+            if entry == "queue_bytes":
+                raise self._memory_refusal(model, cost, "queue_bytes")
             raise self._shed(model, entry, len(queue))
         self._routes[model] = route
         demand = self.demand.setdefault(model, Demand(model))
@@ -221,7 +261,8 @@ class FlowControl:
             queue.remove(entry)
             raise self._shed(model, "queue_timeout", len(queue)) from None
         except asyncio.CancelledError:
-            if grant.done() and not grant.cancelled():
+            # exception(): a wake-blocked answer set as it was cancelled is read, not logged.
+            if grant.done() and not grant.cancelled() and grant.exception() is None:
                 self.release(model)  # granted as it was cancelled: give the grant back
             else:
                 queue.remove(entry)
@@ -231,6 +272,38 @@ class FlowControl:
             self._queued_tokens[model] = max(0, left)
             metrics.add(metrics.queue_requests, -1, model, key_id)
             metrics.observe(metrics.queue_wait_seconds, self._clock() - now, model, key_id)
+
+    async def _held_cost(self, model: str, size_bytes: int, held: tuple[object, ...]) -> int:
+        """What the request would hold queued (its raw size at least), or the 429 of the
+        memory bound it would break; walked only when the raw size alone breaks none."""
+        s = self._settings
+        queue = self._queues.get(model)
+        if queue is not None and len(queue) >= s.queue_max_requests:
+            raise self._shed(model, "queue_requests", len(queue))
+        cost = size_bytes
+        self._check_memory(model, cost)
+        if held and s.queue_max_requests:
+            steps = walk(held)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    cost = max(cost, int(done.value))
+                    break
+                await asyncio.sleep(0)  # a slice walked: let the loop serve others
+            self._check_memory(model, cost)
+        return cost
+
+    def _check_memory(self, model: str, cost: int) -> None:
+        queue = self._queues.get(model)
+        if cost + (queue.num_bytes if queue is not None else 0) > self._settings.queue_max_bytes:
+            raise self._memory_refusal(model, cost, "queue_bytes")
+        if cost + self.held_bytes() > self._settings.queue_max_bytes_total:
+            raise self._memory_refusal(model, cost, "queue_bytes_total")
+
+    def held_bytes(self) -> int:
+        """What every model's queue holds now, as charged."""
+        return sum(queue.num_bytes for queue in self._queues.values())
 
     def release(self, model: str) -> None:
         """The grant's request was sent (counted in flight now) or failed before it was."""
@@ -286,19 +359,68 @@ class FlowControl:
 
     # --- shedding and reporting -----------------------------------------------------------
 
-    def _shed(self, model: str, reason: str, queued: int) -> GatewayError:
-        now = self._clock()
+    def _retry_after(self, model: str, queued: int) -> float:
         drain = self._drain.get(model)
-        retry = (
-            drain.retry_after_s(
-                queued, now, floor_s=_RETRY_AFTER_FLOOR_S, ceiling_s=_RETRY_AFTER_CEILING_S
-            )
-            if drain is not None
-            else _RETRY_AFTER_FLOOR_S
+        if drain is None:
+            return _RETRY_AFTER_FLOOR_S
+        return drain.retry_after_s(
+            queued, self._clock(), floor_s=_RETRY_AFTER_FLOOR_S, ceiling_s=_RETRY_AFTER_CEILING_S
         )
+
+    def _shed(self, model: str, reason: str, queued: int) -> GatewayError:
+        retry = self._retry_after(model, queued)
         self._metrics.inc(self._metrics.shed, model, reason)
         self.demand.setdefault(model, Demand(model)).shed += 1
         return GatewayError.overloaded(model, _SHED_WHY[reason], retry)
+
+    def _memory_refusal(self, model: str, cost: int, bound: str) -> GatewayError:
+        """429: the request's parsed body would take the queues past a memory bound. A 429,
+        not a 503: the bodies' size is what clients send, and what they can change."""
+        s = self._settings
+        queued = len(self._queues.get(model) or ())
+        self._metrics.inc(self._metrics.shed, model, bound)
+        self.demand.setdefault(model, Demand(model)).shed += 1
+        if bound == "queue_bytes":
+            what = (
+                f"{model!r}'s queue holds as much request memory as it may "
+                f"(gateway.queue_max_bytes, {s.queue_max_bytes / _MIB:.0f} MiB)"
+            )
+        else:
+            what = (
+                "the gateway's queues hold as much request memory as they may, all models "
+                f"together (gateway.queue_max_bytes_total, {s.queue_max_bytes_total / _MIB:.0f} MiB)"
+            )
+        log.info("gateway_held_memory_refused", model=model, bound=bound, cost_bytes=cost)
+        return GatewayError.rate_limited(
+            f"{what}, and this request would hold {cost / _MIB:.1f} MiB parsed while it waits "
+            "for a replica; send smaller bodies or fewer at once",
+            self._retry_after(model, queued),
+        )
+
+    def _wake_blocked(self, route: ModelRoute) -> GatewayError:
+        """503: no replica of the model can start, for the reason the leader knows."""
+        self._metrics.inc(self._metrics.shed, route.name, "wake_blocked")
+        return GatewayError(
+            503,
+            f"no replica of {route.name!r} can start: {route.wake_blocked}; fix that cause "
+            "(`llmgw status`, `llmgw get actions`), then retry after the time in Retry-After",
+            type_="api_error",
+            code="no_ready_replica",
+            retry_after_s=_WAKE_BLOCKED_RETRY_S,
+        )
+
+    def _answer_held(self, route: ModelRoute, queue: FairQueue[asyncio.Future[None]]) -> None:
+        """Every request held for ``route`` is answered with why its wake cannot succeed."""
+        answered = 0
+        while (entry := queue.pop()) is not None:
+            if not entry.item.done():
+                entry.item.set_exception(self._wake_blocked(route))
+                answered += 1
+        if answered:
+            log.info(
+                "gateway_held_answered", model=route.name, requests=answered,
+                reason=route.wake_blocked,
+            )  # fmt: skip
 
     def shed_busy(self, model: str) -> GatewayError:
         """A replica refused or reset while busy and no other could take the request."""

@@ -30,6 +30,7 @@ class GatewayMetrics:
     tokenizer_mode: Gauge
     tokenizer_mismatches: Counter
     tokenizer_profile_none: Gauge
+    tokenizer_failing: Gauge
     index_blocks: Gauge
     approx_entries: Gauge
     requests: Counter
@@ -138,6 +139,14 @@ class GatewayMetrics:
                 "never tokenized in the gateway (mode remote, whatever files are stored), 0 "
                 "otherwise.",
                 ["model"],
+                registry=registry,
+            ),
+            tokenizer_failing=Gauge(
+                "llmgw_prefix_tokenizer_failing",
+                "1 where local tokenizing of the model was turned off because its tokenizer "
+                "or template kept failing (reason: the last error's type, deadline or "
+                "crashed); its prompts go to a replica's /tokenize until new files come.",
+                ["model", "reason"],
                 registry=registry,
             ),
             index_blocks=Gauge(

@@ -23,10 +23,11 @@ from collections.abc import Callable
 import aiohttp
 from starlette.types import Receive, Send
 
-from llmgw.gateway.errors import sse_error_event, upstream_failed
+from llmgw.errors import clip
+from llmgw.gateway.errors import engine_error, sse_error_event, upstream_failed
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routes import ModelRoute
-from llmgw.gateway.upstream import Attempt, Upstream
+from llmgw.gateway.upstream import Attempt, Upstream, engine_said
 from llmgw.gateway.wire import (
     Settleable,
     StreamState,
@@ -93,7 +94,8 @@ class Relay:
         self, attempt: Attempt, send: Send, admission: Settleable, route: ModelRoute, t0: float
     ) -> None:
         """A non-streamed answer (or a stream's refusal), passed on as the replica sent it; a
-        5xx becomes the gateway's 502."""
+        5xx becomes the gateway's 502: ``engine_error`` (not to retry) when the engine itself
+        answered it, ``upstream_error`` when it failed on the way (``upstream.engine_said``)."""
         resp, ep = attempt.resp, attempt.ep
         metrics = self._metrics
         try:
@@ -105,7 +107,14 @@ class Relay:
         if status >= 500:
             self._upstream.failed(route, ep, "status")
             metrics.inc(metrics.requests, route.name, ep.replica, "502")
-            raise upstream_failed(route.name, f"the replica answered {status}")
+            said = engine_said(status, raw)
+            if said is None:
+                raise upstream_failed(route.name, f"the replica answered {status}")
+            # The engine ran the request and failed on it: a warning (the operator may want
+            # to know which requests an engine cannot serve), not the retry advice.
+            log.warning("gateway_engine_error", model=route.name, replica=ep.replica,
+                        status=status, message=clip(said))  # fmt: skip
+            raise engine_error(route.name, status, said)
         usage = usage_of(raw) if status == 200 else None
         settle(admission, usage, completion_fallback=0, prompt_fallback=0)
         ctype = resp.headers.get("Content-Type", "application/json").encode()

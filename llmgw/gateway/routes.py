@@ -88,6 +88,9 @@ class ModelRoute:
     # says `tokenizer: none`: the gateway never tokenizes its prompts itself, whatever files
     # are stored for it (a replica's /tokenize, then the approximate tree).
     tokenizer_none: bool = False
+    # Why a wake of this name cannot succeed, as the leader knows it (``wake_blocked``); "":
+    # nothing known against it. Held requests are answered with it (flow control).
+    wake_blocked: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,27 @@ def served_name(profile: Mapping[str, Any], index_model: str) -> str:
     )
 
 
+# The rollout status's words for a replica the placement cannot fit (``planner.status``), and
+# for the one case among them that frees itself within a queue's wait.
+_UNPLACEABLE = "cannot place a replica: "
+_FREEING = "waiting for draining replicas"
+_REASON_CHARS = 400
+
+
+def wake_blocked(d: DeclaredRow) -> str:
+    """Pure: why a wake of ``d`` cannot succeed now, as the leader's rows say ("": nothing
+    known). An engine that crash-loops, or a replica no node can take (no node with its GPU
+    class, every GPU taken) does not resolve itself while a request waits; a placement
+    waiting on draining replicas does, so it blocks nothing."""
+    if d.crash_reason is not None:
+        return f"its engine is crash-looping ({d.crash_reason.strip()[:_REASON_CHARS]})"
+    at = d.status_reason.find(_UNPLACEABLE)
+    if at >= 0 and _FREEING not in d.status_reason:
+        why = d.status_reason[at + len(_UNPLACEABLE) :]
+        return f"the leader cannot place a replica ({why[:_REASON_CHARS]})"
+    return ""
+
+
 def build_table(
     rows: Iterable[RouteRow], *, read_at: float, declared: Iterable[DeclaredRow] = ()
 ) -> RouteTable:
@@ -134,8 +158,12 @@ def build_table(
     adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
     wakeable: set[str] = set()
     no_local: set[str] = set()  # names a profile serving them says `tokenizer: none` for
+    blocked: dict[str, str] = {}  # name -> why its wake cannot succeed
     for d in declared:
         models.setdefault(d.name, [])
+        if why := wake_blocked(d):
+            blocked[d.name] = why
+            blocked.update((lora, why) for lora, _ in d.adapters)
         if d.tokenizer_none:
             no_local.add(d.name)
             no_local.update(lora for lora, _ in d.adapters)
@@ -185,6 +213,7 @@ def build_table(
             tuple(sorted(eps, key=lambda e: e.replica)),
             name in wakeable,
             name in no_local,
+            blocked.get(name, ""),
         )
     for lora, (base, path, eps) in adapters.items():
         if lora in routes:
@@ -198,6 +227,7 @@ def build_table(
             lora in wakeable,
             # An adapter's prompts are tokenized with its base model's files.
             lora in no_local or base in no_local,
+            blocked.get(lora, ""),
         )
     return RouteTable(routes, read_at)
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from llmgw.config import GatewaySettings
+from llmgw.gateway.errors import GatewayError, bad_request
 from llmgw.gateway.load import LoadTracker
 from llmgw.gateway.local_tokens import MODES, LocalTokenizers, Mode, Verdict
 from llmgw.gateway.metrics import GatewayMetrics
@@ -82,8 +83,8 @@ class Tokens:
             max_chars=s.local_tokenize_max_chars,
             verify_first=s.tokenizer_verify_first,
             verify_every=s.tokenizer_verify_every,
-            inline_chars=s.local_tokenize_inline_chars,
         )
+        self.local.on_disabled = lambda _model: self.report_modes()
         self._remote: Tokenizer | None = None
 
     def open(self, http: aiohttp.ClientSession) -> None:
@@ -125,6 +126,9 @@ class Tokens:
                 metrics.gauge(metrics.tokenizer_mode, 1.0 if m == mode else 0.0, route.name, m)
             none = 1.0 if route.tokenizer_none else 0.0
             metrics.gauge(metrics.tokenizer_profile_none, none, route.name)
+            failing = self.local.failing(route.base)
+            if failing is not None:
+                metrics.gauge(metrics.tokenizer_failing, 1.0, route.name, failing)
 
     def _may_tokenize_here(self, route: ModelRoute) -> bool:
         """Whether the route's prompts may be tokenized here at all: the setting allows it, and
@@ -155,8 +159,34 @@ class Tokens:
         if self._files is not None and self._may_tokenize_here(route):
             local = await self._local(route, hashed, body, prompt, chat)
             if local is not None:
-                return local
-        return await self._ask_replica(route, hashed, body, chat)
+                return self._within_context(route, local, chat)
+        remote = await self._ask_replica(route, hashed, body, chat)
+        return None if remote is None else self._within_context(route, remote, chat)
+
+    def _within_context(self, route: ModelRoute, ids: list[int], chat: bool) -> list[int]:
+        """The ids, or the 400 of a prompt longer than the model's context length (the
+        smallest ``max_model_len`` its replicas state): the engine would refuse it too, after
+        the queue and the routing it cost."""
+        limit = self._load.context_limit(ep.replica for ep in route.endpoints)
+        if limit is not None and len(ids) > limit:
+            raise bad_request(
+                f"the prompt is {len(ids)} tokens, over {route.name!r}'s context length of "
+                f"{limit} tokens; send a shorter prompt or fewer messages",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            )
+        return ids
+
+    def _too_long(self, chars: int | None, chat: bool) -> GatewayError:
+        limit = self.local.max_chars
+        what = f"is {chars} characters" if chars is not None else "renders to"
+        return bad_request(
+            f"the prompt {what} over {limit} characters, the most this gateway tokenizes "
+            "(setting gateway.local_tokenize_max_chars; a chat's prompt is its rendered "
+            "template); send a shorter prompt or fewer messages",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
 
     async def _local(
         self,
@@ -174,10 +204,18 @@ class Tokens:
         if self.local.mode(model) != "local":
             return None
         t = time.perf_counter()
-        got = await self.local.tokenize(model, body, chat=chat, chars=len(prompt.text))
+        messages = body.get("messages") if chat else None
+        # ~30 characters of template around each message (ChatML's), for the wait only.
+        rendered = len(prompt.text) + 30 * (len(messages) if isinstance(messages, list) else 0)
+        got = await self.local.tokenize(
+            model, body, chat=chat, chars=len(prompt.text), rendered=rendered
+        )
         metrics = self._metrics
         if isinstance(got, str):
             metrics.inc(metrics.tokenize_failures, route.name, f"local_{got}")
+            if got == "too_long":
+                chars = len(prompt.text)
+                raise self._too_long(chars if chars > self.local.max_chars else None, chat)
             return None
         ids, verify = got
         metrics.observe(metrics.tokenize_local_seconds, time.perf_counter() - t, route.name)

@@ -43,7 +43,7 @@ from llmgw.gateway.routing.approx import ApproxTree
 from llmgw.gateway.routing.inputs import Claim
 from llmgw.logs import get_logger
 
-__all__ = ["Attempt", "Busy", "Upstream"]
+__all__ = ["Attempt", "Busy", "Upstream", "engine_said"]
 
 log = get_logger("llmgw.gateway")
 
@@ -69,6 +69,12 @@ class Attempt:
 _PROXY_UNREACHED = {502: "upstream-unavailable", 404: "not-found"}
 # The proxy's error bodies are a few hundred bytes; a bigger one is not the proxy's.
 _PROXY_ERROR_MAX_BYTES = 64 * 1024
+# The proxy's answers that mean "the engine was reached but did not answer": it broke
+# mid-request while still listening (a crash under way) or stayed silent past the timeout.
+# Transient: the client may retry. (HTTP's own "an intermediary failed" statuses read so too.)
+_PROXY_FAILED = frozenset({"upstream-failed", "upstream-timeout", "upstream-unavailable"})
+_INTERMEDIARY_STATUSES = frozenset({502, 503, 504})
+_MESSAGE_MAX_BYTES = 512  # of a plain-text 5xx body quoted (the error quotes 200 characters)
 
 
 class Upstream:
@@ -249,3 +255,34 @@ async def _proxy_unreached(resp: aiohttp.ClientResponse) -> str | None:
     if isinstance(error, dict) and error.get("code") == code:
         return f"the agent's proxy answered {resp.status} ({code})"
     return None
+
+
+def engine_said(status: int, raw: bytes) -> str | None:
+    """What the engine itself answered, for a 5xx answer: its error message ("" when it wrote
+    none that reads), or None when the answer is not the engine's verdict on the request but
+    a failure on the way (the agent's proxy's codes, or a 502/503/504: an intermediary's or
+    an overloaded server's status) that a retry may not meet.
+
+    The proxy passes an engine's own answer through with the engine's status and body, and
+    marks every failure of its own with a code (nodeagent.proxy); an engine that answered 500
+    with a body ran the request and failed on it: vLLM and the simulator answer an exception
+    in a request's handling so, and the same request fails the same way again."""
+    body: object
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("code") in _PROXY_FAILED:
+        return None
+    if status in _INTERMEDIARY_STATUSES:
+        return None
+    message: object = None
+    if isinstance(error, dict):
+        message = error.get("message")
+    elif isinstance(body, dict):
+        message = body.get("message")  # vLLM's older shape: {"object": "error", "message": ...}
+    elif body is None:
+        # Not JSON: a framework's plain "Internal Server Error".
+        message = raw[:_MESSAGE_MAX_BYTES].decode("utf-8", "replace").strip()
+    return " ".join(message.split()) if isinstance(message, str) else ""

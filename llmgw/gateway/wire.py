@@ -22,6 +22,7 @@ from llmgw.config import GatewaySettings
 from llmgw.gateway.errors import bad_request
 
 __all__ = [
+    "MAX_TOKEN_ID",
     "Prompt",
     "Settleable",
     "StreamState",
@@ -37,6 +38,10 @@ __all__ = [
 ]
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) legacy completions default
+# The largest token id a prompt may carry: engines hold ids in 32-bit tensors (no vocabulary
+# comes near), and the router packs them into 64-bit words (``router.token_home_key``), which
+# an id of 2**63 or more overflowed: a 500 and an error-level traceback.
+MAX_TOKEN_ID = 2**31 - 1
 _JSON = (b"content-type", b"application/json")
 
 
@@ -180,22 +185,22 @@ def reserve_tokens(
     context_limit: int | None = None,
     prompt_tokens: int = 0,
 ) -> int:
-    """Completion tokens to reserve: what the request asks for, else what the engine may
-    generate without a limit: for chat, the model's context length (``context_limit``,
-    from the replicas' /v1/models) less the prompt, or ``gateway.default_max_tokens``
-    while that is not known; for completions, OpenAI's (and vLLM's) default of 16."""
-    wanted = body.get("max_completion_tokens") if chat else None
-    if wanted is None:
-        wanted = body.get("max_tokens")
+    """Completion tokens to reserve: what the engine may generate, read as vLLM's
+    ``get_max_tokens`` reads it (``max_completion_tokens or max_tokens``, on either path; a
+    completion that does not send ``max_tokens`` has OpenAI's and vLLM's default of 16, one
+    that sends null has none), else, with no limit, the model's context length
+    (``context_limit``, from the replicas' /v1/models) less the prompt, or
+    ``gateway.default_max_tokens`` while that is not known; times the sequences it generates
+    (``n``, or ``best_of`` when larger). The body's fields are the engine's values already
+    (``engine_fields.canonicalize``): ``"250"`` is 250 here as there."""
+    default = None if chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
+    wanted = body.get("max_completion_tokens") or body.get("max_tokens", default)
     if type(wanted) is not int or wanted < 0:
-        if not chat:
-            wanted = _COMPLETIONS_DEFAULT_MAX_TOKENS
-        elif context_limit is not None:
+        if context_limit is not None:
             wanted = max(1, context_limit - prompt_tokens)
         else:
             wanted = settings.default_max_tokens
-    n = body.get("n")
-    copies = n if type(n) is int and n > 0 else 1
+    copies = max([1, *(v for v in (body.get("n"), body.get("best_of")) if type(v) is int)])
     return int(wanted) * copies
 
 
@@ -212,6 +217,11 @@ def ask_for_usage(body: dict[str, Any]) -> bool:
 
 
 def prompt_of(body: Mapping[str, Any], *, chat: bool) -> Prompt:
+    """What the request asks the engine to read, for routing: a chat's messages as one text,
+    a completion's prompt or its token ids. A 400 for a shape no engine serves: a message
+    without a string ``role`` or with content that is not a string, a list of parts or null
+    (vLLM's pydantic refuses those too; the simulator's template raised on them, a 500 the
+    gateway relayed as a 502 to retry), token ids outside ``0..MAX_TOKEN_ID``."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -221,9 +231,18 @@ def prompt_of(body: Mapping[str, Any], *, chat: bool) -> Prompt:
         tools = body.get("tools")
         if tools:
             parts.append(json.dumps(tools, sort_keys=True, separators=(",", ":")))
-        for m in messages:
+        for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise bad_request("each message must be an object", param="messages")
+            role = m.get("role")
+            if not isinstance(role, str) or not role:
+                # Any string: vLLM takes roles its templates know beyond OpenAI's (Llama's
+                # "ipython"), and a template that refuses one is a 400 from the engine.
+                raise bad_request(
+                    f"messages[{i}].role must be a non-empty string: system, user, assistant, "
+                    "tool or developer (or another role the model's chat template knows)",
+                    param=f"messages[{i}].role",
+                )
             content = m.get("content")
             if isinstance(content, list):
                 texts = []
@@ -233,12 +252,24 @@ def prompt_of(body: Mapping[str, Any], *, chat: bool) -> Prompt:
                     else:
                         multimodal = True
                 content = "".join(texts)
-            parts.append(f"\x00{m.get('role', '')}\x01{content if content is not None else ''}")
+            elif content is not None and not isinstance(content, str):
+                raise bad_request(
+                    f"messages[{i}].content must be a string, a list of content parts or null",
+                    param=f"messages[{i}].content",
+                )
+            parts.append(f"\x00{role}\x01{content if content is not None else ''}")
         return Prompt("".join(parts), multimodal)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return Prompt(prompt, False)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if min(prompt) < 0 or max(prompt) > MAX_TOKEN_ID:
+            at = next(i for i, t in enumerate(prompt) if not 0 <= t <= MAX_TOKEN_ID)
+            raise bad_request(
+                f"`prompt` token ids must be in 0..{MAX_TOKEN_ID} (ids from the model's "
+                f"tokenizer, such as its /tokenize gives); prompt[{at}] is not",
+                param="prompt",
+            )
         return Prompt(" ".join(map(str, prompt)), False, token_ids=list(prompt))
     if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
         # A batch: routed by its first prompt (the others mostly share its prefix or not at all).

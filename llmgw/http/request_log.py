@@ -4,7 +4,11 @@ Every request gets an id (the client's ``X-Request-ID`` when it is a sane token,
 else a fresh one), returned in ``X-Request-ID``, bound to structlog's
 contextvars for every line logged while serving it, and one ``http_request``
 line when it ends, with status and duration. A 5xx is logged at error level
-with the id, so a client's report ("request 3f2a… failed") finds its line.
+with the id, so a client's report ("request 3f2a… failed") finds its line; but
+a 503 at warning: it says the fleet is out of capacity for now (shed, no
+replica, the database away), a state an operator watches, not a bug. The
+answers on ``quiet_paths`` that succeed log at debug: an agent's sync every
+2 s is routine, and its state changes have their own info lines.
 
 What it must not do: buffer a response (it only watches ``http.response.start``
 go by, so a token stream passes through untouched), or let an exception leave
@@ -17,7 +21,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import structlog
 from starlette.datastructures import MutableHeaders
@@ -51,11 +55,17 @@ class RequestLog:
     """``internal_error(request_id) -> body bytes`` renders the listener's 500 body."""
 
     def __init__(
-        self, app: ASGIApp, *, listener: str, internal_error: Callable[[str], bytes]
+        self,
+        app: ASGIApp,
+        *,
+        listener: str,
+        internal_error: Callable[[str], bytes],
+        quiet_paths: Collection[str] = (),
     ) -> None:
         self.app = app
         self.listener = listener
         self.internal_error = internal_error
+        self.quiet_paths = frozenset(quiet_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -104,7 +114,11 @@ class RequestLog:
             "status": status,
             "duration_ms": round((time.perf_counter() - start) * 1000, 2),
         }
-        if status >= 500:
+        if status == 503:
+            log.warning("http_request", **fields)
+        elif status >= 500:
             log.error("http_request", **fields)
+        elif status < 400 and scope["path"] in self.quiet_paths:
+            log.debug("http_request", **fields)
         else:
             log.info("http_request", **fields)

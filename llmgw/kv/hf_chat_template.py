@@ -1,37 +1,23 @@
 """A chat rendered as ``transformers.apply_chat_template`` renders it, for ``HfTokenizer``: the
 template environment HF templates expect (jinja2's immutable sandbox with ``trim_blocks``,
 ``lstrip_blocks`` and loop controls, transformers' ``tojson`` filter, the ``raise_exception`` and
-``strftime_now`` globals), which of a tokenizer's templates a request uses, a message's content
+``strftime_now`` globals; every render within a budget of steps and characters:
+``template_budget``), which of a tokenizer's templates a request uses, a message's content
 as vLLM hands it to the template, and the options every template refuses before rendering.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llmgw.errors import SpecError, clip
+from llmgw.kv.template_budget import BudgetedSandbox, strftime_format
 
 __all__ = ["check_chat_options", "message_text", "pick_template", "template_environment"]
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' own tojson: jinja2's escapes HTML characters, which a prompt must keep.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
 
 
 def _raise_exception(message: str) -> None:
@@ -39,15 +25,15 @@ def _raise_exception(message: str) -> None:
 
 
 def _strftime_now(fmt: str) -> str:
-    # The one clock a template may read (Llama 3's date line), as transformers gives it.
-    return datetime.now().strftime(fmt)
+    # The one clock a template may read (Llama 3's date line), as transformers gives it; its
+    # format is capped (its output grows with it).
+    return datetime.now().strftime(strftime_format(fmt))
 
 
-def template_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
+def template_environment() -> BudgetedSandbox:
+    """The environment HF templates expect, every render of it bounded (``template_budget``:
+    rendered with ``render_within``)."""
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

@@ -44,8 +44,10 @@ from llmgw.kv.hf_chat_template import (
     pick_template,
     template_environment,
 )
+from llmgw.kv.template_budget import TemplateBudgetError, budget_for, render_within
 
 __all__ = [
+    "DEFAULT_MAX_RENDERED_CHARS",
     "MAX_FILES_BYTES",
     "MAX_FILE_BYTES",
     "TOKENIZER_FILE_NAMES",
@@ -68,6 +70,8 @@ TOKENIZER_FILE_NAMES: Final = (
 # is not a tokenizer, and the store and every gateway would hold it.
 MAX_FILE_BYTES: Final = 48 * 1024 * 1024
 MAX_FILES_BYTES: Final = 64 * 1024 * 1024
+# A rendered prompt's cap where the caller names none (the simulator): past any context length.
+DEFAULT_MAX_RENDERED_CHARS: Final = 16 * 1024 * 1024
 # Pieces shorter than this are encoded every time: a lookup costs about what encoding them does.
 _SEGMENT_MIN_CHARS: Final = 256
 
@@ -320,10 +324,13 @@ class HfTokenizer:
         continue_final_message: bool = False,
         tools: Sequence[Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        max_chars: int = DEFAULT_MAX_RENDERED_CHARS,
     ) -> str:
         """The prompt text of a chat, as the engine renders it. Raises ``SpecError`` for what
         the engine refuses too (both generation prompt and continuation, no messages, a
-        template that raises)."""
+        template that raises), ``TemplateBudgetError`` (a ``SpecError``) for a render past its
+        budget: over ``max_chars`` characters of output, or a template whose work outgrows
+        the chat (``template_budget``)."""
         check_chat_options(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -350,7 +357,9 @@ class HfTokenizer:
             add_generation_prompt=add_generation_prompt,
         )  # fmt: skip
         try:
-            rendered = str(template.render(**context))
+            rendered = render_within(template, context, budget_for(context, max_chars))
+        except TemplateBudgetError:
+            raise
         except TemplateError as exc:
             raise SpecError(f"the chat template refused the request: {clip(str(exc))}") from None
         if continue_final_message:
@@ -383,10 +392,13 @@ class HfTokenizer:
         )
         return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_request(self, body: Mapping[str, Any], *, chat: bool) -> tuple[str, bool] | None:
+    def render_request(
+        self, body: Mapping[str, Any], *, chat: bool, max_chars: int = DEFAULT_MAX_RENDERED_CHARS
+    ) -> tuple[str, bool] | None:
         """(the text the engine tokenizes for an OpenAI request body, whether with special
         tokens); None for a body this cannot tokenize (a completion whose prompt is not one
-        string). Raises ``SpecError`` where the engine would refuse the request."""
+        string). Raises ``SpecError`` where the engine would refuse the request, and
+        ``TemplateBudgetError`` ("output") for a prompt over ``max_chars`` characters."""
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -399,6 +411,7 @@ class HfTokenizer:
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 tools=tools if isinstance(tools, list) else None,
                 chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+                max_chars=max_chars,
             )
             return text, bool(body.get("add_special_tokens", False))
         prompt = body.get("prompt")
@@ -406,6 +419,10 @@ class HfTokenizer:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             return None
+        if len(prompt) > max_chars:
+            raise TemplateBudgetError(
+                "output", f"the prompt is {len(prompt)} characters, over {max_chars}"
+            )
         return prompt, bool(body.get("add_special_tokens", True))
 
     def request_ids(self, body: Mapping[str, Any], *, chat: bool) -> list[int] | None:

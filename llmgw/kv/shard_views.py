@@ -14,6 +14,16 @@ Answers (``KvResult``):
   restarted, a request was lost, or the agent reloaded its mirror): the agent sends a reset.
 - ``ack``: applied.
 
+Bounds (hardening-3 finding 7: one node's credential grew every instance's index by 3M hashes
+for its own idle shard). A shard's view holds at most ``CAPACITY_SLACK`` times its engine's KV
+capacity in blocks (``PlacedShard.max_blocks``, from the launched profile), or
+``max_view_blocks`` when the profile does not fix it. A delta that would pass it is not
+applied: the view is marked partial (the router distrusts it) and its version forgotten, so the
+answer is ``need_full``; a full copy past it is not applied either (the view is left empty and
+partial, the answer ``retry``: the agent backs off). Each is counted ("over_capacity") and
+logged at warning once per shard. One request's size is the protocol's
+``MAX_BLOCKS_PER_MESSAGE``, set so a request holds the loop ~10 ms at most.
+
 "An instance may answer 429 + Retry-After to a full copy": after an instance restart every
 agent sends resets at once, and admitting them all would stall the router's event loop; the
 agent API rations them with a ``llmgw.ratelimit.TokenBucket``. Pure: the HTTP shell does the
@@ -30,9 +40,17 @@ from llmgw.kv import PrefixIndex
 from llmgw.logs import get_logger
 from llmgw.protocol.kvstream import KvDeltaRequest, KvResult
 
-__all__ = ["PlacedShard", "ShardKvView", "ShardViews"]
+__all__ = ["CAPACITY_SLACK", "DEFAULT_MAX_VIEW_BLOCKS", "PlacedShard", "ShardKvView", "ShardViews"]
 
 _log = get_logger(__name__)
+
+# Over the engine's capacity: a view briefly holds blocks the engine evicted before the delta
+# that removes them arrives, and a CPU tier beside the GPU one; twice covers both.
+CAPACITY_SLACK = 2.0
+# A shard whose engine's capacity its profile does not fix: 2**20 blocks (~100 MB of index at
+# ~95 bytes a hash), past any single engine's GPU cache (a 0.5B model on an 80 GB GPU holds
+# ~350k blocks of 16 tokens).
+DEFAULT_MAX_VIEW_BLOCKS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +64,8 @@ class PlacedShard:
     node_id: str
     model: str
     block_size: int | None = None
+    # The engine's KV capacity in blocks (``engines.kv_capacity``); None: unknown.
+    max_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,11 +95,16 @@ class _Held:
 class ShardViews:
     """The agent-facing side of one instance's ``PrefixIndex``."""
 
-    def __init__(self, index: PrefixIndex | None = None) -> None:
+    def __init__(
+        self, index: PrefixIndex | None = None, *, max_view_blocks: int = DEFAULT_MAX_VIEW_BLOCKS
+    ) -> None:
         self.index = index if index is not None else PrefixIndex()
+        self.max_view_blocks = max_view_blocks
         self._held: dict[str, _Held] = {}
+        self._warned: set[str] = set()  # shards already logged over their bound
         # Why requests were not applied, and how many were: "unknown_shard", "foreign_node",
-        # "block_size", "base_unknown", and applied kinds "delta", "reset". Exported as metrics
+        # "block_size", "base_unknown", "over_capacity", and applied kinds "delta", "reset".
+        # Exported as metrics
         # by the shell.
         self.counts: Counter[str] = Counter()
 
@@ -157,7 +182,13 @@ class ShardViews:
             self.drop(shard)
             held = None
         partial = request.partial or not request.complete
+        bound = self.bound(where)
         if request.reset:
+            if request.num_blocks > bound:
+                self._over(node_id, shard, request.num_blocks, bound)
+                self.index.apply_snapshot(where.model, shard, {}, partial=True)
+                self._held[shard] = _Held(node_id, where.model, -1, False)
+                return "retry"
             blocks = {m: h for m, h in request.added.items() if len(h)}
             self.index.apply_snapshot(where.model, shard, blocks, partial=partial)
             self._held[shard] = _Held(node_id, where.model, request.new_version, request.complete)
@@ -165,6 +196,13 @@ class ShardViews:
             return "ack"
         if held is None or held.version != request.base_version:
             self.counts["base_unknown"] += 1
+            return "need_full"
+        grows = sum(map(len, request.added.values())) - sum(map(len, request.removed.values()))
+        if self.index.num_blocks(shard) + grows > bound:
+            self._over(node_id, shard, self.index.num_blocks(shard) + grows, bound)
+            self.index.apply_delta(where.model, shard, partial=True)
+            held.version = -1  # the next request is answered need_full
+            held.complete = False
             return "need_full"
         for medium in {*request.added, *request.removed}:
             self.index.apply_delta(
@@ -179,6 +217,26 @@ class ShardViews:
         held.complete = request.complete
         self.counts["delta"] += 1
         return "ack"
+
+    def bound(self, where: PlacedShard) -> int:
+        """The most blocks the shard's view may hold."""
+        if where.max_blocks:
+            return int(where.max_blocks * CAPACITY_SLACK)
+        return self.max_view_blocks
+
+    def _over(self, node_id: str, shard: str, blocks: int, bound: int) -> None:
+        self.counts["over_capacity"] += 1
+        if shard not in self._warned:
+            self._warned.add(shard)
+            _log.warning(
+                "kv_view_over_capacity",
+                node=node_id,
+                shard=shard,
+                blocks=blocks,
+                bound=bound,
+                fix="the engine reports more KV blocks than its profile's capacity allows: "
+                "check its args (--num-gpu-blocks-override, --num-blocks) or the node",
+            )
 
     def drop(self, shard_id: str) -> None:
         """Forget a shard (stopped, moved, its node gone)."""
@@ -196,4 +254,5 @@ class ShardViews:
         ]
         for shard in gone:
             self.drop(shard)
+            self._warned.discard(shard)
         return gone

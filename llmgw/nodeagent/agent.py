@@ -85,7 +85,7 @@ class Agent:
         self.state = AgentState(options.state_dir)
         self._token = options.bootstrap_token
         self._stop_engines_on_exit = options.stop_engines_on_exit
-        self.node_name = settings.node_name or socket.gethostname()
+        self.node_name = settings.node_name or agent_validation.host_node_name(socket.gethostname())
         self.mgmt_addr = settings.mgmt_addr or default_mgmt_addr(settings.controlplane_url)
         agent_validation.check_engine_bind_addr(settings)
         agent_validation.check_port_ranges(settings)

@@ -14,10 +14,12 @@ from pathlib import Path
 from llmgw.config import AgentSettings
 from llmgw.errors import ConfigError
 from llmgw.logs import get_logger
+from llmgw.protocol.names import name_problem
 
 __all__ = [
     "check_engine_bind_addr",
     "check_port_ranges",
+    "host_node_name",
     "read_bootstrap_token",
     "read_metrics_token",
     "require_bootstrap_token",
@@ -52,6 +54,20 @@ def check_port_ranges(s: AgentSettings) -> None:
             "(LLMGW_AGENT__PROXY_PORT_RANGE_START/END, LLMGW_AGENT__PORT_RANGE_START/END)",
             field="agent.proxy_port_range_start",
         )
+
+
+def host_node_name(hostname: str) -> str:
+    """The host name as the node's name, when agent.node_name is empty; a host name the
+    name rule refuses (over 128 characters, say) is a start-up error naming the setting,
+    not a registration the control plane refuses on every retry."""
+    problem = name_problem(hostname)
+    if problem is not None:
+        raise ConfigError(
+            f"agent.node_name is empty, and the host name cannot be the node's name: "
+            f"{problem}; set agent.node_name (LLMGW_AGENT__NODE_NAME or --node-name)",
+            field="agent.node_name",
+        )
+    return hostname
 
 
 def read_metrics_token(s: AgentSettings) -> str:

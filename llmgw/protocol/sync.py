@@ -30,9 +30,11 @@ read the environment.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from llmgw.protocol.names import name_problem
 
 __all__ = [
     "KV_PATH",
@@ -99,6 +101,21 @@ DesiredState = Literal["running", "suspended", "stopped"]
 ObservedState = Literal["starting", "ready", "unhealthy", "draining", "exited", "failed"]
 
 _Name = Field(min_length=1, max_length=MAX_NAME_CHARS)
+
+
+def _node_name_ok(name: str) -> str:
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(f"{problem}; set the agent's node_name (LLMGW_AGENT__NODE_NAME)")
+    return name
+
+
+# A node's name is addressed as /admin/v1/nodes/{name} and printed by `llmgw status`: the one
+# name rule of every object (llmgw.protocol.names), so a newline or an escape sequence never
+# reaches a URL or a terminal.
+NodeName = Annotated[
+    str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_node_name_ok)
+]
 
 
 class _Wire(BaseModel):
@@ -187,7 +204,7 @@ class NodeInventory(_Wire):
 class RegisterRequest(_Wire):
     protocol_version: int = PROTOCOL_VERSION
     bootstrap_token: str = Field(min_length=1, max_length=MAX_TOKEN_CHARS, repr=False)
-    node_name: str = _Name
+    node_name: NodeName
     # The address the control plane and peers reach this node on (the
     # shards' front doors, Ray, NCCL bootstrap).
     mgmt_addr: str = Field(min_length=1, max_length=MAX_NAME_CHARS)

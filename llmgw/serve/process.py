@@ -26,7 +26,15 @@ if TYPE_CHECKING:  # imported where used: `llmgw --help` need not load the whole
     from llmgw.serve.servers import Listener
     from llmgw.store.notify import NotifyHub
 
-__all__ = ["Process", "build_apps", "build_process", "run_controlplane", "serve_process"]
+__all__ = [
+    "Process",
+    "build_apps",
+    "build_process",
+    "internal_with_gateway_metrics",
+    "public_listener",
+    "run_controlplane",
+    "serve_process",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +117,13 @@ async def serve_process(
         await process.parts.engine.dispose()
 
 
-def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]]) -> None:
+def run_controlplane(
+    config: Path | None, overrides: dict[str, dict[str, object]], *, public: bool = True
+) -> None:
     """Load the settings (``config`` and ``overrides`` per section, re-read on SIGHUP), build
-    both listeners' apps and serve them until SIGTERM."""
+    both listeners' apps and serve them until SIGTERM. ``public`` False: the internal listener
+    alone, the OpenAI API being served by `llmgw gateway` processes (``gateway_process``), so
+    a flood on it cannot hold this process's loop (syncs, the leader's passes, operators)."""
     from llmgw import eventloop
     from llmgw.config import load_settings
     from llmgw.http.listeners import FD_RESERVE, ListenerLimits
@@ -126,7 +138,10 @@ def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]
     configure_logging(settings.log.level, json=settings.log.json_lines)
     cp, gw = settings.controlplane, settings.gateway
     process = build_process(cp)
-    internal, public = build_apps(settings, process)
+    if public:
+        internal, public_app = build_apps(settings, process)
+    else:
+        internal, public_app = internal_with_gateway_metrics(settings, process), None
     listeners = [
         Listener(
             name="internal",
@@ -143,26 +158,13 @@ def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]
                 header_bytes_setting="controlplane.max_header_bytes",
             ),
         ),
-        Listener(
-            name="public",
-            app=public,
-            host=gw.host,
-            port=gw.port,
-            setting="gateway.port",
-            limits=ListenerLimits(
-                listener="public",
-                max_connections=gw.max_connections,
-                max_header_bytes=gw.max_header_bytes,
-                header_timeout_s=gw.header_timeout_s,
-                connections_setting="gateway.max_connections",
-                header_bytes_setting="gateway.max_header_bytes",
-            ),
-        ),
     ]
+    if public_app is not None:
+        listeners.append(public_listener(settings, public_app))
     get_logger("llmgw.controlplane").info(
         "controlplane_starting",
         internal_url=f"http://{cp.internal_host}:{cp.internal_port}",
-        public_url=f"http://{gw.host}:{gw.port}",
+        public_url=f"http://{gw.host}:{gw.port}" if public_app is not None else None,
     )
     # SIGHUP re-reads the same sources (file, environment, these flags) and applies what can
     # change live; see ConfigReload.
@@ -173,9 +175,65 @@ def run_controlplane(config: Path | None, overrides: dict[str, dict[str, object]
     )
     # Besides its listeners' connections the process holds the database pool (up to twice
     # its size on bursts) and the gateway's connections to engines.
-    fd_reserve = FD_RESERVE + 2 * cp.db_pool_size + gw.upstream_pool_size
+    fd_reserve = FD_RESERVE + 2 * cp.db_pool_size
+    if public_app is not None:
+        fd_reserve += gw.upstream_pool_size
     eventloop.run(
         serve_process(
             process, listeners, grace_s=cp.shutdown_grace_s, fd_reserve=fd_reserve, on_reload=reload
         )
+    )
+
+
+def internal_with_gateway_metrics(settings: Settings, process: Process) -> ASGIApp:
+    """The internal app of a control plane without a public listener: its registry also
+    yields the `llmgw gateway` processes' metrics (``gateway_metrics``), read in the
+    background while the app runs, so /metrics, `llmgw status` and the console still show
+    routing."""
+    from collections.abc import AsyncIterator
+    from contextlib import asynccontextmanager
+    from typing import Any
+
+    from llmgw.controlplane.internal_app import create_app
+    from llmgw.serve.gateway_metrics import GatewayMetrics
+
+    app = create_app(settings.controlplane, parts=process.parts)
+    gateways = GatewayMetrics(lambda: app.state.agent_api.instances.live)
+    process.parts.registry.register(gateways)
+    outer = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        async with outer(a) as state:
+            gateways.start()
+            try:
+                yield state
+            finally:
+                await gateways.stop()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def public_listener(settings: Settings, app: ASGIApp, *, reuse_port: bool = False) -> Listener:
+    """The public (OpenAI API) listener on ``gateway.host:port`` under its limits."""
+    from llmgw.http.listeners import ListenerLimits
+    from llmgw.serve.servers import Listener
+
+    gw = settings.gateway
+    return Listener(
+        name="public",
+        app=app,
+        host=gw.host,
+        port=gw.port,
+        setting="gateway.port",
+        limits=ListenerLimits(
+            listener="public",
+            max_connections=gw.max_connections,
+            max_header_bytes=gw.max_header_bytes,
+            header_timeout_s=gw.header_timeout_s,
+            connections_setting="gateway.max_connections",
+            header_bytes_setting="gateway.max_header_bytes",
+        ),
+        reuse_port=reuse_port,
     )

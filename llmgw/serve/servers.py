@@ -56,6 +56,12 @@ class Listener:
     port: int
     setting: str  # the settings key of the address, named when it cannot be bound
     limits: ListenerLimits
+    # Bound already (the gateway's private listener: its port must be known before its app is
+    # built, to register the instance's URL); ``serve`` closes it when done. None: bound here.
+    sock: socket.socket | None = None
+    # SO_REUSEPORT: several gateway worker processes each bind the same public port and the
+    # kernel spreads new connections across them.
+    reuse_port: bool = False
 
 
 class _Server(uvicorn.Server):
@@ -164,8 +170,11 @@ class ConfigReload:
         )
 
 
-def bind(host: str, port: int, *, listener: str, setting: str) -> socket.socket:
-    """A listening-ready socket on ``host:port``; ConfigError naming ``setting`` if it cannot be."""
+def bind(
+    host: str, port: int, *, listener: str, setting: str, reuse_port: bool = False
+) -> socket.socket:
+    """A listening-ready socket on ``host:port``; ConfigError naming ``setting`` if it cannot be.
+    ``reuse_port``: SO_REUSEPORT, so sibling worker processes can bind the same port."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -180,6 +189,8 @@ def bind(host: str, port: int, *, listener: str, setting: str) -> socket.socket:
     # client's delayed ACK (~40 ms on Linux).
     sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(addr)
     except OSError as exc:
@@ -216,7 +227,17 @@ async def serve(
     sockets = []
     try:
         for lst in listeners:
-            sockets.append(bind(lst.host, lst.port, listener=lst.name, setting=lst.setting))
+            sockets.append(
+                lst.sock
+                if lst.sock is not None
+                else bind(
+                    lst.host,
+                    lst.port,
+                    listener=lst.name,
+                    setting=lst.setting,
+                    reuse_port=lst.reuse_port,
+                )
+            )
     except BaseException:
         for s in sockets:
             s.close()

@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from llmgw.engines.kv_capacity import kv_capacity_blocks
 from llmgw.protocol.sync import ShardBinding
 from llmgw.store.bulk import jsonb_rows
 
@@ -32,6 +33,7 @@ __all__ = [
     "DesiredShardRow",
     "PlacedRow",
     "apply_bindings",
+    "kv_capacity_blocks",
     "read_desired_shards",
     "read_live_shard_ids",
     "read_placed",
@@ -214,6 +216,9 @@ class PlacedRow:
     model: str
     # The profile's KV block size when it publishes KV events; None otherwise.
     block_size: int | None
+    # The engine's KV capacity in blocks when its launched profile fixes it
+    # (``engines.kv_capacity``): the bound of the shard's KV view. None: unknown.
+    max_blocks: int | None = None
 
 
 async def read_placed(session: AsyncSession) -> list[PlacedRow]:
@@ -223,17 +228,21 @@ async def read_placed(session: AsyncSession) -> list[PlacedRow]:
             "SELECT s.id, s.node_id, "
             "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS model, "
             "CASE WHEN (s.launch_spec #>> '{profile,kv_events}') = 'true' "
-            "THEN (s.launch_spec #>> '{profile,kv_hash,block_size}') END AS block_size "
+            "THEN (s.launch_spec #>> '{profile,kv_hash,block_size}') END AS block_size, "
+            "s.launch_spec -> 'profile' AS profile "
             "FROM shards s JOIN replicas r ON r.id = s.replica_id "
             "LEFT JOIN deployments d ON d.id = r.deployment_id "
             "LEFT JOIN models m ON m.id = d.model_id WHERE NOT s.released"
         )
     )
-    return [_placed_row(r.id, r.node_id, r.model, r.block_size) for r in result]
+    return [_placed_row(r.id, r.node_id, r.model, r.block_size, r.profile) for r in result]
 
 
-def _placed_row(shard: Any, node: Any, model: str, block_size: str | None) -> PlacedRow:
+def _placed_row(
+    shard: Any, node: Any, model: str, block_size: str | None, profile: object
+) -> PlacedRow:
     size: int | None = None
     if block_size is not None and block_size.isdigit():
         size = int(block_size)
-    return PlacedRow(uuid.UUID(str(shard)), uuid.UUID(str(node)), model, size)
+    capacity = kv_capacity_blocks(profile) if isinstance(profile, dict) else None
+    return PlacedRow(uuid.UUID(str(shard)), uuid.UUID(str(node)), model, size, capacity)

@@ -63,6 +63,12 @@ class DeclaredRow:
     autoscaled: bool = False
     # The deployment's profile says `tokenizer: none`.
     tokenizer_none: bool = False
+    # What the leader knows of a wake's trouble: its rollout status line (it names a replica
+    # it cannot place), and the last reason an engine of its replicas crash-looped with
+    # (a shard the agent reports `failed`); ``gateway.routes`` reads them into the reason a
+    # held request is answered with.
+    status_reason: str = ""
+    crash_reason: str | None = None
 
 
 _READ = text(
@@ -89,9 +95,17 @@ _READ = text(
 _DECLARED = text(
     "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters, "
     "(d.autoscale IS NOT NULL AND d.state = 'active') "
-    "AS autoscaled, p.tokenizer = 'none' AS tokenizer_none "
+    "AS autoscaled, p.tokenizer = 'none' AS tokenizer_none, "
+    "coalesce(ds.reason, '') AS status_reason, "
+    # A crash loop the agent reported on a replica still active or being replaced (a shard
+    # is released once its agent reports it gone): the newest one's reason.
+    "(SELECT coalesce(nullif(s.observed_reason, ''), 'exit code ' || s.exit_code::text, "
+    "'failed') FROM replicas r JOIN shards s ON s.replica_id = r.id "
+    "WHERE r.deployment_id = d.id AND NOT s.released AND s.observed_state = 'failed' "
+    "ORDER BY s.observed_at DESC NULLS LAST LIMIT 1) AS crash_reason "
     "FROM deployments d JOIN models m ON m.id = d.model_id "
-    "JOIN profiles p ON p.id = d.profile_id"
+    "JOIN profiles p ON p.id = d.profile_id "
+    "LEFT JOIN deployment_status ds ON ds.deployment_id = d.id"
 )
 
 
@@ -106,7 +120,16 @@ async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
             for a in raw
             if isinstance(a, dict) and a.get("name")
         )
-        out.append(DeclaredRow(str(r.name), loras, bool(r.autoscaled), bool(r.tokenizer_none)))
+        out.append(
+            DeclaredRow(
+                str(r.name),
+                loras,
+                bool(r.autoscaled),
+                bool(r.tokenizer_none),
+                status_reason=r.status_reason or "",
+                crash_reason=r.crash_reason,
+            )
+        )
     return out
 
 

@@ -40,6 +40,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID, ExcludeConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column, relationship
 
+# The one name rule (llmgw.protocol.names), which the CHECK constraints below hold too.
+from llmgw.protocol.names import KEY_NAME_PATTERN as KEY_NAME_PATTERN
+from llmgw.protocol.names import NAME_PATTERN as NAME_PATTERN
+
 __all__ = [
     "ApiKey",
     "AuditLog",
@@ -88,13 +92,8 @@ DEPLOYMENT_STATES = ("active", "suspended")
 REPLICA_STATES = ("active", "draining", "stopping")
 MULTINODE_BACKENDS = ("ray", "native")
 NODE_APPROVAL_STATES = ("pending", "approved")
-# A name is what clients type in "model": keep it to characters that survive
-# URLs, shells and Prometheus labels unescaped.
-NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 # No leading zeros, so "0" and "0%" are the only spellings of zero (the 0/0 CHECK relies on it).
 ROLLOUT_BUDGET_PATTERN = "^(0|[1-9][0-9]{0,5})%?$"
-# API key names appear in `llmgw keys revoke NAME` and in URLs: no slashes, unlike models.
-KEY_NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 KEY_ID_PATTERN = "^[0-9a-z]{1,32}$"
 QUOTA_PERIODS = ("day", "month")
 

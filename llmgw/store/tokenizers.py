@@ -24,6 +24,7 @@ __all__ = [
     "TOKENIZERS_CHANNEL",
     "TokenizerRow",
     "read_file_contents",
+    "read_model_digest",
     "read_model_tokenizers",
     "shard_model",
     "store_model_tokenizer",
@@ -93,6 +94,12 @@ async def store_model_tokenizer(
         {"channel": TOKENIZERS_CHANNEL, "payload": model[:200]},
     )
     return True
+
+
+async def read_model_digest(session: AsyncSession, model: str) -> str | None:
+    """The digest of the set ``model`` has now (None: none stored)."""
+    current = await session.get(ModelTokenizer, model)
+    return None if current is None else str(current.digest)
 
 
 async def read_model_tokenizers(session: AsyncSession) -> list[TokenizerRow]:

@@ -1,9 +1,11 @@
 """`llmgw up`'s start sequence: the all-in-one deployment on one machine, from the data
 dir's lock to the children running, and its stop in the reverse order.
 
-A private Postgres in the data dir, migrated to head, then `llmgw controlplane` and
-`llmgw agent` as child processes, each supervised on its own (supervision.py): one that dies
-is restarted alone, with growing pauses (the agent adopts the engines that kept running). The
+A private Postgres in the data dir, migrated to head, then `llmgw controlplane` (without its
+public listener), `llmgw gateway` (the OpenAI API on --port in processes of its own, so a flood
+on it cannot delay syncs or operators; --gateway-workers 0: the control plane serves it, as
+before) and `llmgw agent` as child processes, each supervised on its own (supervision.py): one
+that dies is restarted alone, with growing pauses (the agent adopts the engines that kept running). The
 agent registers with a bootstrap token `up` creates, offers `--sim-gpus` simulated GPUs, and
 runs the demo (config/demo.yaml, applied once unless --no-demo) on the simulator. What
 follows the start, up to the announcement and up.json, is bringup.py's.
@@ -214,6 +216,8 @@ class AllInOne:
             "--public-host", opts.host, "--public-port", str(opts.port),
             "--host", opts.internal_host, "--port", str(opts.admin_port),
         ]  # fmt: skip
+        if opts.gateway_workers:
+            cp_argv.append("--no-public-listener")
         if opts.config_path is not None:
             cp_argv += ["--config", str(opts.config_path)]
         cp = Child(
@@ -222,6 +226,11 @@ class AllInOne:
         self._children["controlplane"] = cp
         cp.start()
         procs.record_children(self.opts.data_dir, list(self._children.values()))
+        if opts.gateway_workers:
+            gw = self._gateway_child(url, logs / "gateway.log")
+            self._children["gateway"] = gw
+            gw.start()
+            procs.record_children(self.opts.data_dir, list(self._children.values()))
 
         # The token is written into the database directly, so the agents start while the
         # control plane is still importing (they retry registration until the API answers).
@@ -229,6 +238,23 @@ class AllInOne:
             self._children[agent.name] = agent
             agent.start()
             procs.record_children(self.opts.data_dir, list(self._children.values()))
+
+    def _gateway_child(self, url: str, log_path: Path) -> Child:
+        """`llmgw gateway`: the OpenAI API on --host/--port, apart from the control plane; its
+        private listener (KV deltas from the agents) on the internal host, a free port each
+        worker, registered in the database so the agents find it."""
+        opts = self.opts
+        env = self._env()
+        env["LLMGW_CONTROLPLANE__DATABASE_URL"] = url
+        argv = [
+            sys.executable, "-m", "llmgw", "gateway",
+            "--host", opts.host, "--port", str(opts.port),
+            "--private-host", opts.internal_host, "--private-port", "0",
+            "--workers", str(opts.gateway_workers),
+        ]  # fmt: skip
+        if opts.config_path is not None:
+            argv += ["--config", str(opts.config_path)]
+        return Child("gateway", argv, env, log_path, _CONTROLPLANE_STOP_TIMEOUT_S)
 
     def _agent_children(self, url: str) -> list[Child]:
         """One agent for the simulated GPUs, one for this machine's real ones (NVML).
@@ -301,6 +327,11 @@ class AllInOne:
         return children
 
     def _stop_children(self) -> None:
+        # The gateway first: it stops taking requests and finishes those open while the
+        # engines still answer.
+        gateway = self._children.get("gateway")
+        if gateway is not None:
+            gateway.stop()
         agents = [c for name, c in self._children.items() if name.startswith("agent")]
         if any(a.alive() for a in agents):
             self._say("Stopping engines and the agent ...")

@@ -29,6 +29,9 @@ class UpOptions:
     # Where the agents' /healthz and /metrics listen (agent.listen_host); `up` picks their
     # ports, so it is `up` that says where to scrape them.
     agent_listen_host: str = "127.0.0.1"
+    # The OpenAI API's processes: 0, the control plane's own public listener; N, a `llmgw
+    # gateway` child with N workers, the control plane running without a public listener.
+    gateway_workers: int = 0
 
     @property
     def admin_url(self) -> str:

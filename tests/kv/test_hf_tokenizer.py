@@ -69,8 +69,9 @@ def test_a_template_that_raises_or_an_empty_chat_is_the_callers_error() -> None:
         HfTokenizer(files).render_chat([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.e2e  # the tokenizers run in worker processes
 async def test_local_tokenizers_bound_and_distrust() -> None:
-    local = LocalTokenizers(max_chars=5000, verify_first=1, verify_every=3, inline_chars=0)
+    local = LocalTokenizers(max_chars=5000, verify_first=1, verify_every=3)
     try:
         assert local.mode("m") == "remote"  # nothing loaded yet
         local.sync({"m": TINY})

@@ -117,7 +117,7 @@ def test_mig_indices_become_uuids() -> None:
             "not under an allowed root",
         ),
         (
-            vllm_shard(secret_env={"HF_TOKEN": "env:LLMGW_TEST_NOT_SET"}),
+            vllm_shard(secret_env={"HF_TOKEN": "env:SECRET_TEST_NOT_SET"}),
             LocalPolicy(),
             "does not have",
         ),

@@ -71,7 +71,7 @@ class Up:
     def logs(self) -> str:
         text = f"--- stdout:\n{self.out.read_text()[-3000:]}\n--- stderr:\n"
         text += self.err.read_text()[-3000:]
-        for name in ("agent", "controlplane"):
+        for name in ("agent", "controlplane", "gateway"):
             path = self.data_dir / "logs" / f"{name}.log"
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()
@@ -175,6 +175,8 @@ def our_pids(up: Up, shards: set[str]) -> dict[int, str]:
         mine = (
             str(up.data_dir) in cmd
             or f"--port {up.admin_port}" in cmd
+            # `llmgw gateway` and its workers (the default --host)
+            or f"gateway --host 127.0.0.1 --port {up.port}" in cmd
             or (bool(shards) and _marker(pid) in shards)
         )
         if mine:

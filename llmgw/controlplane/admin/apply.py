@@ -30,11 +30,17 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from llmgw.controlplane.admin import namespace
 from llmgw.controlplane.admin.common import Audit, AuditOf, create, update
 from llmgw.controlplane.admin.deployments import deployment_out, save_deployment_changes
 from llmgw.controlplane.admin.diff import field_changes
 from llmgw.controlplane.admin.models import model_out
-from llmgw.controlplane.admin.profiles import profile_fields, profile_out, save_profile_changes
+from llmgw.controlplane.admin.profiles import (
+    named_profile,
+    profile_fields,
+    profile_out,
+    save_profile_changes,
+)
 from llmgw.controlplane.admin.schemas import ErrorBody, ModelCreate
 from llmgw.controlplane.admin.schemas_deployments import DeploymentCreate
 from llmgw.controlplane.admin.schemas_fleet import (
@@ -85,6 +91,8 @@ class _Problems:
         # whose document has a typo is not also told that the profile does not exist.
         self.declared_models: set[str] = set()
         self.declared_profiles: dict[str, str] = {}
+        # Problems that are name clashes (409 when they are all there is).
+        self.clashes = 0
 
     def add(
         self, index: int, kind: str | None, name: str | None, field_: str | None, message: str
@@ -267,6 +275,21 @@ async def _check(
                 )  # fmt: skip
 
 
+def _check_names(docs: Sequence[_Doc], names: namespace.Namespace, problems: _Problems) -> None:
+    """Models, adapters and served names that would clash once applied (``namespace``)."""
+    models = [(d.index, d.body.name) for d in docs if d.kind == "model" and d.body is not None]
+    profiles = [
+        (d.index, named_profile(d.body.name, d.body.model, d.fields["served_model_name"],
+                                d.fields["adapters"]))
+        for d in docs
+        if d.kind == "profile" and d.fields
+    ]  # fmt: skip
+    kinds = {d.index: d for d in docs}
+    for index, clash in namespace.batch_clashes(names, models, profiles):
+        problems.add(index, kinds[index].kind, kinds[index].body.name, clash.field, clash.message)
+        problems.clashes += 1
+
+
 @dataclass
 class _Diff:
     changes: list[ApplyChange] = field(default_factory=list)
@@ -400,7 +423,7 @@ async def _write(
     return outcome
 
 
-def _refusal(problems: Sequence[ApplyProblem]) -> Response:
+def _refusal(problems: Sequence[ApplyProblem], clashes_only: bool = False) -> Response:
     first = problems[0]
     where = f"document {first.index}" + (
         f" ({first.kind} {first.name!r})" if first.kind and first.name else ""
@@ -408,7 +431,7 @@ def _refusal(problems: Sequence[ApplyProblem]) -> Response:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     content = {
         "error": {
-            "code": "spec-invalid",
+            "code": "conflict" if clashes_only else "spec-invalid",
             "message": printable(
                 f"nothing was applied: {len(problems)} problem(s) in the documents; "
                 f"{where}: {first.message}{more}"
@@ -420,13 +443,16 @@ def _refusal(problems: Sequence[ApplyProblem]) -> Response:
             ],
         }
     }
-    return JSONResponse(status_code=422, content=content)
+    return JSONResponse(status_code=409 if clashes_only else 422, content=content)
 
 
 @router.post(
     "/apply",
     response_model=ApplyReply,
-    responses={422: {"model": ErrorBody, "description": "error.problems lists every problem."}},
+    responses={
+        409: {"model": ErrorBody, "description": "Every problem is a name clash."},
+        422: {"model": ErrorBody, "description": "error.problems lists every problem."},
+    },
 )
 async def apply(body: ApplyBody, request: Request, audit: AuditOf) -> Any:
     """Create or update many objects at once, all or nothing; see the module's rules."""
@@ -436,11 +462,14 @@ async def apply(body: ApplyBody, request: Request, audit: AuditOf) -> Any:
     async with factory() as session:
         await session.begin()
         try:
+            names = await namespace.read(session)  # before _read's row locks
             stored = await _read(session, docs)
             await _check(session, docs, stored, problems)
+            _check_names(docs, names, problems)
             if problems.items:
                 await session.rollback()
-                return _refusal(sorted(problems.items, key=lambda p: p.index))
+                clashes_only = problems.clashes == len(problems.items)
+                return _refusal(sorted(problems.items, key=lambda p: p.index), clashes_only)
             # No problem: every document passed its schema, so each has a body to write.
             diffs = await _diffs(session, docs, stored)
             outcome = await _write(session, audit, docs, stored)

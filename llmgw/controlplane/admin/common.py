@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from llmgw.controlplane.admin.schemas import ErrorBody, Page, name_problem
 from llmgw.errors import AuthError, NotFoundError, SpecError, clip
@@ -46,6 +47,7 @@ __all__ = [
     "page",
     "path_name",
     "require_admin",
+    "stored_path_name",
     "update",
 ]
 
@@ -137,6 +139,30 @@ def path_name(kind: str, name: str, plural: str | None = None) -> str:
         raise NotFoundError(
             f"no {kind} can be named {clip(name)!r}: {problem}; list them with "
             f"GET /admin/v1/{plural or kind + 's'}",
+            field="name",
+        )
+    return name
+
+
+class _StoredNameConvertor(PathConvertor):
+    """``{name:stored}``: any characters, newlines included. Starlette's ``path`` is ``.*``,
+    which stops at a newline, so a node that registered as "a\\nb" (before names had one
+    rule) matched no route at all and could never be approved, cordoned or deleted; and
+    "a%0A" matched node "a" (``$`` matches before a final newline)."""
+
+    regex = "(?s:.*)"
+
+
+register_url_convertor("stored", _StoredNameConvertor())
+
+
+def stored_path_name(kind: str, name: str) -> str:
+    """``name`` from the URL of an object that may have been stored before the name rule
+    (nodes): looked up as it is, whatever it holds, so it stays manageable; only a NUL,
+    which Postgres cannot store, is not found without asking."""
+    if not name or "\x00" in name:
+        raise NotFoundError(
+            f"no {kind} is named {clip(name)!r}; list them with GET /admin/v1/{kind}s",
             field="name",
         )
     return name
@@ -257,6 +283,7 @@ def add_read_routes(
     list_page: Callable[[AsyncSession, str | None, int], Awaitable[Page[_Out]]],
     get_one: Callable[[AsyncSession, str], Awaitable[_Out]],
     key: str = "name",
+    convertor: str = "path",
 ) -> None:
     """``GET /{plural}`` (a page, keyset on ``key``), ``GET /{plural}/`` (the same: a
     trailing slash lists rather than naming the empty object) and ``GET /{plural}/{key}``
@@ -286,7 +313,7 @@ def add_read_routes(
     router.get(f"/{plural}", response_model=Page[out], tags=[plural])(list_items)  # type: ignore[valid-type]
     router.get(f"/{plural}/", response_model=Page[out], include_in_schema=False)(list_items)  # type: ignore[valid-type]
     router.get(
-        f"/{plural}/{{{key}:path}}",
+        f"/{plural}/{{{key}:{convertor}}}",
         response_model=out,
         tags=[plural],
         summary=f"Get one of {plural} by {key}",

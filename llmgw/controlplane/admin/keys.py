@@ -17,7 +17,14 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Response
-from pydantic import AwareDatetime, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    Field,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.controlplane.admin.common import (
@@ -55,11 +62,13 @@ class ApiKeyCreate(_Request):
         max_length=_MAX_ALLOWED_MODELS,
         description="The model and adapter names the key may use; null: every model.",
     )
-    rpm: int | None = Field(default=None, ge=1, le=_INT32_MAX, description="Requests per minute.")
-    tpm: int | None = Field(
+    rpm: StrictInt | None = Field(
+        default=None, ge=1, le=_INT32_MAX, description="Requests per minute."
+    )
+    tpm: StrictInt | None = Field(
         default=None, ge=1, le=_INT32_MAX, description="Tokens (prompt + completion) per minute."
     )
-    quota: int | None = Field(
+    quota: StrictInt | None = Field(
         default=None,
         ge=0,
         le=2**62,
@@ -68,10 +77,10 @@ class ApiKeyCreate(_Request):
     period: Literal["day", "month"] | None = Field(
         default=None, description="The quota's period (UTC); with a quota and without: month."
     )
-    concurrency: int | None = Field(
+    concurrency: StrictInt | None = Field(
         default=None, ge=1, le=_INT32_MAX, description="Requests in flight per gateway."
     )
-    priority: int = Field(
+    priority: StrictInt = Field(
         default=0,
         ge=0,
         le=100,

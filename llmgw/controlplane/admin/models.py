@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from llmgw.controlplane.admin import namespace
 from llmgw.controlplane.admin.common import (
     AuditOf,
     Session,
@@ -40,6 +41,9 @@ async def _get(session: AsyncSession, name: str) -> ModelOut:
 
 @router.post("/models", status_code=201, response_model=ModelOut)
 async def create_model(body: ModelCreate, session: Session, audit: AuditOf) -> ModelOut:
+    clash = namespace.model_clash(body.name, (await namespace.read(session)).profiles)
+    if clash is not None:
+        raise clash.error()
     row = Model(name=body.name, description=body.description)
     return await create(session, audit, kind="model", name=body.name, row=row, view=model_out)
 

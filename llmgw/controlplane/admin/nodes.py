@@ -22,7 +22,7 @@ from llmgw.controlplane.admin.common import (
     audit_view,
     delete,
     page,
-    path_name,
+    stored_path_name,
     update,
 )
 from llmgw.controlplane.admin.schemas import Page
@@ -92,16 +92,19 @@ async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[No
 
 
 async def _get(session: AsyncSession, name: str) -> NodeOut:
-    return _view(await fq.get_node(session, path_name("node", name)))
+    return _view(await fq.get_node(session, stored_path_name("node", name)))
 
 
-add_read_routes(router, plural="nodes", out=NodeOut, list_page=_list, get_one=_get)
+# Nodes named before the name rule (a newline, an escape) stay addressable, percent-encoded.
+add_read_routes(
+    router, plural="nodes", out=NodeOut, list_page=_list, get_one=_get, convertor="stored"
+)
 
 
 async def _set(
     session: AsyncSession, audit: Audit, name: str, changes: dict[str, Any], action: str
 ) -> NodeOut:
-    node = await fq.lock_node(session, path_name("node", name))
+    node = await fq.lock_node(session, stored_path_name("node", name))
     out, _ = await update(
         session,
         audit,
@@ -116,46 +119,46 @@ async def _set(
     return out
 
 
-@router.patch("/nodes/{name:path}", response_model=NodeOut)
+@router.patch("/nodes/{name:stored}", response_model=NodeOut)
 async def update_node(name: str, body: NodeUpdate, session: Session, audit: AuditOf) -> NodeOut:
     """Set labels (the whole map) and/or pool."""
     return await _set(session, audit, name, body.model_dump(exclude_none=True), "update")
 
 
-@router.post("/nodes/{name:path}/cordon", response_model=NodeOut)
+@router.post("/nodes/{name:stored}/cordon", response_model=NodeOut)
 async def cordon_node(name: str, session: Session, audit: AuditOf) -> NodeOut:
     """No new shards are placed on the node; what runs there keeps running."""
     return await _set(session, audit, name, {"cordoned": True}, "cordon")
 
 
-@router.post("/nodes/{name:path}/uncordon", response_model=NodeOut)
+@router.post("/nodes/{name:stored}/uncordon", response_model=NodeOut)
 async def uncordon_node(name: str, session: Session, audit: AuditOf) -> NodeOut:
     """Placeable again; a drain in progress stops (shards already moved stay moved)."""
     return await _set(session, audit, name, {"cordoned": False, "draining": False}, "uncordon")
 
 
-@router.post("/nodes/{name:path}/drain", response_model=NodeOut)
+@router.post("/nodes/{name:stored}/drain", response_model=NodeOut)
 async def drain_node(name: str, session: Session, audit: AuditOf) -> NodeOut:
     """Cordon the node and have the reconciler replace its replicas elsewhere, within
     each deployment's rollout budget, then stop its shards."""
     return await _set(session, audit, name, {"cordoned": True, "draining": True}, "drain")
 
 
-@router.post("/nodes/{name:path}/approve", response_model=NodeOut)
+@router.post("/nodes/{name:stored}/approve", response_model=NodeOut)
 async def approve_node(name: str, session: Session, audit: AuditOf) -> NodeOut:
     """Let a node that registered with an approval-requiring token take shards."""
     return await _set(session, audit, name, {"approval_state": "approved"}, "approve")
 
 
-@router.delete("/nodes/{name:path}", status_code=204)
+@router.delete("/nodes/{name:stored}", status_code=204)
 async def delete_node(name: str, session: Session, audit: AuditOf) -> Response:
-    before = audit_view(_view(await fq.get_node(session, path_name("node", name))))
+    before = audit_view(_view(await fq.get_node(session, stored_path_name("node", name))))
     await delete(
         session,
         audit,
         kind="node",
         name=name,
         before=before,
-        remove=lambda: fq.delete_node(session, name),
+        remove=lambda: fq.delete_node(session, stored_path_name("node", name)),
     )
     return Response(status_code=204)

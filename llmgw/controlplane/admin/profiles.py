@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from llmgw.controlplane.admin import namespace
 from llmgw.controlplane.admin.common import (
     Audit,
     AuditOf,
@@ -37,7 +38,13 @@ from llmgw.controlplane.profile_checks import SPEC_FIELDS, check_profile
 from llmgw.store import catalog
 from llmgw.store.tables import Profile
 
-__all__ = ["profile_fields", "profile_out", "router", "save_profile_changes"]
+__all__ = [
+    "named_profile",
+    "profile_fields",
+    "profile_out",
+    "router",
+    "save_profile_changes",
+]
 
 router = APIRouter(tags=["profiles"])
 
@@ -133,6 +140,34 @@ async def save_profile_changes(
     return out, changed
 
 
+def named_profile(
+    name: str, model: str, served_model_name: str, adapters: list[dict[str, Any]]
+) -> namespace.NamedProfile:
+    """What a profile's stored fields put in the names clients send as `model`."""
+    return namespace.NamedProfile(
+        profile=name,
+        model=model,
+        served=served_model_name or model,
+        adapters=tuple(str(a.get("name", "")) for a in adapters),
+    )
+
+
+def _refuse_clash(
+    names: namespace.Namespace,
+    name: str,
+    model: str,
+    served_model_name: str,
+    adapters: list[dict[str, Any]],
+) -> None:
+    clash = namespace.profile_clash(
+        named_profile(name, model, served_model_name, adapters),
+        names.models,
+        names.without_profile(name),
+    )
+    if clash is not None:
+        raise clash.error()
+
+
 async def _list(session: AsyncSession, after: str | None, limit: int) -> Page[ProfileOut]:
     rows = await catalog.list_profiles(session, after=after, limit=limit + 1)
     return page(rows, limit, lambda r: r[0].name, [_view(p, m) for p, m in rows[:limit]])
@@ -149,8 +184,10 @@ async def _get(session: AsyncSession, name: str) -> ProfileOut:
 
 @router.post("/profiles", status_code=201, response_model=ProfileOut)
 async def create_profile(body: ProfileCreate, session: Session, audit: AuditOf) -> ProfileOut:
+    names = await namespace.read(session)
     model = await catalog.get_model(session, body.model, field="model")
     fields = await profile_fields(session, body, None)
+    _refuse_clash(names, body.name, model.name, fields["served_model_name"], fields["adapters"])
     row = Profile(name=body.name, model_id=model.id, **fields)
     return await create(
         session, audit, kind="profile", name=body.name, row=row, view=profile_out(model.name)
@@ -164,6 +201,7 @@ add_read_routes(router, plural="profiles", out=ProfileOut, list_page=_list, get_
 async def update_profile(
     name: str, body: ProfileUpdate, session: Session, audit: AuditOf
 ) -> ProfileOut:
+    names = await namespace.read(session)  # before the row lock: see namespace.read
     profile = await catalog.get_profile(session, path_name("profile", name), lock=True)
     changes = body.model_dump(exclude={"version"}, exclude_none=True)
     if body.adapters is not None:
@@ -171,6 +209,13 @@ async def update_profile(
     merged = {f: changes.get(f, getattr(profile, f)) for f in _CHECKED}
     model_name = await _model_name(session, profile)
     changes["fingerprint"] = check_profile(name, merged, model=model_name)
+    _refuse_clash(
+        names,
+        profile.name,
+        model_name,
+        changes.get("served_model_name", profile.served_model_name),
+        changes.get("adapters", profile.adapters),
+    )
     out, _ = await save_profile_changes(session, audit, profile, model_name, changes, body.version)
     return out
 

@@ -20,11 +20,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     StringConstraints,
     field_validator,
 )
 
-from llmgw.store.tables import NAME_PATTERN
+from llmgw.protocol.names import NAME_PATTERN, segment_problem
 
 __all__ = [
     "INT32_MAX",
@@ -59,22 +60,9 @@ LIMITS: dict[str, int] = {
 
 
 def name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be an object's name, or None when it can.
-
-    Names may hold slashes (Hugging Face's "org/model"), but never an empty, "." or ".."
-    segment: ordinary clients normalise such paths before sending them, so
-    `DELETE /admin/v1/models/a/../b` would arrive as a delete of model "b".
-    """
-    if not name:
-        return "a name must not be empty"
-    for segment in name.split("/"):
-        if segment in ("", ".", ".."):
-            return (
-                f"a name must not have an empty, '.' or '..' segment between slashes (got "
-                f"{segment!r}): HTTP clients rewrite such paths, so the object could not be "
-                "addressed reliably; use e.g. 'org/model-v1'"
-            )
-    return None
+    """Why ``name`` cannot be an object's name, or None when it can, as far as the pattern
+    of ``Name`` does not say already: its slashes (``llmgw.protocol.names``, the one rule)."""
+    return segment_problem(name)
 
 
 def _segments_ok(name: str) -> str:
@@ -161,7 +149,7 @@ class ModelCreate(_Request):
 
 
 class ModelUpdate(_Request):
-    version: int = Field(
+    version: StrictInt = Field(
         ge=1, le=INT32_MAX, description="The version you read; a stale one gets 409."
     )
     description: Description | None = None

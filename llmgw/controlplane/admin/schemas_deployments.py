@@ -7,7 +7,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from llmgw.controlplane.admin.schemas import INT32_MAX, Name, _Request, _Response
 from llmgw.store.tables import ROLLOUT_BUDGET_PATTERN
@@ -46,35 +55,35 @@ class AutoscaleBody(_Request):
     """A deployment's ``autoscale:`` mapping: replicas follow the gateways' demand between
     ``min_replicas`` and ``max_replicas``; ``replicas`` is only where they start."""
 
-    min_replicas: int = Field(ge=0, le=10_000, description="0 allows scale to zero.")
-    max_replicas: int = Field(ge=1, le=10_000)
-    target_queued_prefill_tokens: int | None = Field(
+    min_replicas: StrictInt = Field(ge=0, le=10_000, description="0 allows scale to zero.")
+    max_replicas: StrictInt = Field(ge=1, le=10_000)
+    target_queued_prefill_tokens: StrictInt | None = Field(
         default=None,
         ge=1,
         le=100_000_000,
         description="Per serving replica: prompt tokens waiting for prefill that no prefix "
         "cache holds.",
     )
-    target_waiting_requests: float | None = Field(
+    target_waiting_requests: StrictFloat | None = Field(
         default=None,
         gt=0,
         le=1_000_000,
         description="Per serving replica: requests not yet running (queued or held).",
     )
-    scale_up_window_s: float = Field(
+    scale_up_window_s: StrictFloat = Field(
         default=30, ge=0, le=_MAX_WINDOW_S,
         description="Demand must stay above the target this long before a step up.",
     )  # fmt: skip
-    scale_down_window_s: float = Field(
+    scale_down_window_s: StrictFloat = Field(
         default=300, ge=0, le=_MAX_WINDOW_S,
         description="Demand must stay below the target this long before a step down.",
     )  # fmt: skip
-    suspend_after_s: float | None = Field(
+    suspend_after_s: StrictFloat | None = Field(
         default=None, gt=0, le=_MAX_IDLE_S,
         description="Idle this long: replicas above min suspended (engine asleep, kept "
         "placed; engines without a suspend are stopped).",
     )  # fmt: skip
-    zero_after_s: float | None = Field(
+    zero_after_s: StrictFloat | None = Field(
         default=None, gt=0, le=_MAX_IDLE_S,
         description="Idle this long: replicas above min stopped.",
     )  # fmt: skip
@@ -109,12 +118,12 @@ class DeploymentCreate(_Request):
     model: Name
     profile: Name
     pool: Name = "default"
-    replicas: int = Field(default=1, ge=0, le=10_000)
+    replicas: StrictInt = Field(default=1, ge=0, le=10_000)
     max_surge: RolloutBudget = Field(default="1", description='A count ("1") or a share ("25%").')
     max_unavailable: RolloutBudget = Field(
         default="0", description='A count ("0") or a share ("25%").'
     )
-    progress_deadline_s: int = Field(default=600, gt=0, le=INT32_MAX)
+    progress_deadline_s: StrictInt = Field(default=600, gt=0, le=INT32_MAX)
     state: Literal["active", "suspended"] = "active"
     autoscale: AutoscaleBody | None = Field(
         default=None, description="Demand-driven replicas; without it `replicas` is fixed."
@@ -128,25 +137,25 @@ class DeploymentCreate(_Request):
 
 
 class DeploymentUpdate(_Request):
-    version: int = Field(
+    version: StrictInt = Field(
         ge=1, le=INT32_MAX, description="The version you read; a stale one gets 409."
     )
     profile: Name | None = None
     pool: Name | None = None
-    replicas: int | None = Field(default=None, ge=0, le=10_000)
+    replicas: StrictInt | None = Field(default=None, ge=0, le=10_000)
     max_surge: RolloutBudget | None = None
     max_unavailable: RolloutBudget | None = None
-    progress_deadline_s: int | None = Field(default=None, gt=0, le=INT32_MAX)
+    progress_deadline_s: StrictInt | None = Field(default=None, gt=0, le=INT32_MAX)
     state: Literal["active", "suspended"] | None = None
     autoscale: AutoscaleBody | None = None
     # PATCH leaves an absent field as it is, so removing the policy needs its own word.
-    remove_autoscale: bool = Field(
+    remove_autoscale: StrictBool = Field(
         default=False, description="Drop the autoscale policy: `replicas` is fixed again."
     )
 
 
 class ScaleBody(_Request):
-    replicas: int = Field(ge=0, le=10_000, description="The desired replica count.")
+    replicas: StrictInt = Field(ge=0, le=10_000, description="The desired replica count.")
 
 
 class DeploymentStatusOut(_Response):

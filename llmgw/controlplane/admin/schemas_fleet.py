@@ -13,7 +13,15 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, StringConstraints, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+)
 
 from llmgw.controlplane.admin.schemas import LIMITS, Description, Name, _Request, _Response
 
@@ -93,16 +101,16 @@ class NodeOut(_Response):
 
 class BootstrapTokenCreate(_Request):
     pool: Name = Field(default="default", description="The pool nodes joining with it get.")
-    ttl_s: int = Field(
+    ttl_s: StrictInt = Field(
         default=DEFAULT_TOKEN_TTL_S,
         ge=60,
         le=MAX_TOKEN_TTL_S,
         description="Seconds until it expires (a minute to 30 days).",
     )
-    uses: int | None = Field(
+    uses: StrictInt | None = Field(
         default=1, ge=1, le=100_000, description="How many nodes may join with it; null: any."
     )
-    require_approval: bool = Field(
+    require_approval: StrictBool = Field(
         default=False, description="Nodes joining with it wait for POST /nodes/{name}/approve."
     )
     description: Description = ""
@@ -243,7 +251,7 @@ class ApplyBody(_Request):
         max_length=1000,
         description="Each: `kind: model|profile|deployment` and that kind's create fields.",
     )
-    dry_run: bool = Field(
+    dry_run: StrictBool = Field(
         default=False, description="Compute the outcome and what changes, write nothing."
     )
 

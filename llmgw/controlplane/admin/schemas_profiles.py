@@ -7,7 +7,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, field_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+)
 
 from llmgw.controlplane.admin.schemas import (
     INT32_MAX,
@@ -92,12 +99,14 @@ class AdapterBody(_Request):
 class _ProfileFields(_Request):
     engine: Engine
     gpu_class: ShortText = ""
-    tp: int = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Tensor-parallel degree.")
-    pp: int = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Pipeline-parallel degree.")
-    gpus_per_node: int = Field(
+    tp: StrictInt = Field(default=1, ge=1, le=_MAX_PARALLEL, description="Tensor-parallel degree.")
+    pp: StrictInt = Field(
+        default=1, ge=1, le=_MAX_PARALLEL, description="Pipeline-parallel degree."
+    )
+    gpus_per_node: StrictInt = Field(
         default=0, ge=0, le=_MAX_PARALLEL, description="0: tp x pp on one node."
     )
-    nodes: int = Field(default=1, ge=1, le=_MAX_PARALLEL)
+    nodes: StrictInt = Field(default=1, ge=1, le=_MAX_PARALLEL)
     model_path: Path_
     served_model_name: ShortText = Field(default="", description="Empty: the model's name.")
     args: list[Arg] = Field(
@@ -120,8 +129,8 @@ class _ProfileFields(_Request):
         max_length=LIMITS["adapters_items"],
         description="LoRA adapters, in order.",
     )
-    kv_events: bool = False
-    threads: int = Field(
+    kv_events: StrictBool = False
+    threads: StrictInt = Field(
         default=0, ge=0, le=_MAX_PARALLEL, description="CPU threads of a CPU-only shard."
     )
     kv_hash_seed: str | None = Field(
@@ -129,7 +138,7 @@ class _ProfileFields(_Request):
         description="PYTHONHASHSEED of the engines: an integer 1..4294967295 as a string. "
         "None: the cluster's random seed.",
     )
-    kv_block_size: int = Field(default=16, ge=1, le=4096)
+    kv_block_size: StrictInt = Field(default=16, ge=1, le=4096)
     kv_hash_algo: Literal["sha256_cbor"] = "sha256_cbor"
     kv_extra_key_format: Literal["tagged", "legacy"] = "tagged"
     multinode_backend: MultinodeBackend = Field(
@@ -137,7 +146,7 @@ class _ProfileFields(_Request):
         description="How a replica spanning nodes is wired: a Ray cluster, or the engine's own "
         "multi-node launch (vLLM's --nnodes/--node-rank). Ignored on one node.",
     )
-    max_in_flight: int = Field(
+    max_in_flight: StrictInt = Field(
         default=0,
         ge=0,
         le=1_000_000,
@@ -168,15 +177,15 @@ class ProfileCreate(_ProfileFields):
 
 
 class ProfileUpdate(_Request):
-    version: int = Field(
+    version: StrictInt = Field(
         ge=1, le=INT32_MAX, description="The version you read; a stale one gets 409."
     )
     engine: Engine | None = None
     gpu_class: ShortText | None = None
-    tp: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
-    pp: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
-    gpus_per_node: int | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
-    nodes: int | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
+    tp: StrictInt | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
+    pp: StrictInt | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
+    gpus_per_node: StrictInt | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
+    nodes: StrictInt | None = Field(default=None, ge=1, le=_MAX_PARALLEL)
     model_path: Path_ | None = None
     served_model_name: ShortText | None = None
     args: list[Arg] | None = Field(default=None, max_length=LIMITS["args_items"])
@@ -185,14 +194,14 @@ class ProfileUpdate(_Request):
         default=None, max_length=LIMITS["env_items"]
     )
     adapters: list[AdapterBody] | None = Field(default=None, max_length=LIMITS["adapters_items"])
-    kv_events: bool | None = None
-    threads: int | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
+    kv_events: StrictBool | None = None
+    threads: StrictInt | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
     kv_hash_seed: str | None = None
-    kv_block_size: int | None = Field(default=None, ge=1, le=4096)
+    kv_block_size: StrictInt | None = Field(default=None, ge=1, le=4096)
     kv_hash_algo: Literal["sha256_cbor"] | None = None
     kv_extra_key_format: Literal["tagged", "legacy"] | None = None
     multinode_backend: MultinodeBackend | None = None
-    max_in_flight: int | None = Field(default=None, ge=0, le=1_000_000)
+    max_in_flight: StrictInt | None = Field(default=None, ge=0, le=1_000_000)
     tokenizer: Tokenizer | None = None
     description: Description | None = None
 

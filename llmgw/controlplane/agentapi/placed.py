@@ -74,4 +74,6 @@ class PlacedCache:
 
 
 def _placed(r: PlacedRow) -> PlacedShard:
-    return PlacedShard(node_id=str(r.node_id), model=r.model, block_size=r.block_size)
+    return PlacedShard(
+        node_id=str(r.node_id), model=r.model, block_size=r.block_size, max_blocks=r.max_blocks
+    )

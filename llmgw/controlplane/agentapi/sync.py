@@ -66,6 +66,7 @@ from llmgw.store.agent_shards import (
     DesiredShardRow,
     PlacedRow,
     apply_bindings,
+    kv_capacity_blocks,
     read_desired_shards,
     read_live_shard_ids,
     release_stopped_shards,
@@ -152,7 +153,8 @@ def placed_row(node_id: uuid.UUID, row: DesiredShardRow) -> PlacedRow:
         kv_hash = profile.get("kv_hash")
         size = kv_hash.get("block_size") if isinstance(kv_hash, dict) else None
         block_size = size if isinstance(size, int) and not isinstance(size, bool) else None
-    return PlacedRow(row.id, node_id, row.model, block_size)
+    capacity = kv_capacity_blocks(profile) if isinstance(profile, dict) else None
+    return PlacedRow(row.id, node_id, row.model, block_size, capacity)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,6 +200,15 @@ class SyncHandler:
         started = time.perf_counter()
         result, response = await self._sync(credential, request)
         self.metrics.syncs.labels(result).inc()
+        if result == "changed":
+            # The access line of a sync is debug (one every ~2 s per node); what a sync changed
+            # is worth its own info line. An unchanged one is counted, not logged.
+            log.info(
+                "node_sync_changed",
+                node=str(credential.node_id),
+                desired_version=response.desired_version,
+                shards=len(request.bindings),
+            )
         self.metrics.sync_seconds.labels(result).observe(time.perf_counter() - started)
         return response
 

@@ -13,14 +13,22 @@ from datetime import datetime
 from typing import Any
 
 __all__ = [
+    "STALE_SYNC_S",
     "Attention",
     "attention",
     "gpus_per_class",
     "last_log_line",
+    "node_state",
     "prefix_hit_rates",
     "rollout_text",
+    "stopped_syncing",
     "suspended",
 ]
+
+# A node that has not synced for this long stopped syncing (agents sync every ~2 s; the
+# reconciler's own grace is longer): the console lists it under "needs attention" and
+# `llmgw status` shows it as its STATE.
+STALE_SYNC_S = 30.0
 
 _DECISIONS = "llmgw_prefix_decisions"
 # A shard restarted this often is shown as crash-looping even before the reconciler says so.
@@ -157,11 +165,40 @@ def attention(
                 Attention(5, "node pending approval", str(n.get("name")), "approve it on Nodes")
             )
             continue
-        last = _parse(n.get("last_sync_at"))
-        if last is None or (now - last).total_seconds() > stale_sync_s:
+        if stopped_syncing(n.get("last_sync_at"), now=now, stale_sync_s=stale_sync_s):
+            last = _parse(n.get("last_sync_at"))
             ago = "never" if last is None else f"{(now - last).total_seconds():.0f}s ago"
             out.append(Attention(3, "node stopped syncing", str(n.get("name")), f"last sync {ago}"))
     return sorted(out, key=lambda a: a.rank)
+
+
+def stopped_syncing(last_sync_at: Any, *, now: datetime, stale_sync_s: float) -> bool:
+    """Whether a node whose last sync was at ``last_sync_at`` (the admin API's timestamp;
+    None: never) stopped syncing by ``now``."""
+    last = _parse(last_sync_at)
+    return last is None or (now - last).total_seconds() > stale_sync_s
+
+
+def node_state(
+    *,
+    approval: Any,
+    cordoned: Any,
+    draining: Any,
+    last_sync_at: Any,
+    now: datetime,
+    stale_sync_s: float = STALE_SYNC_S,
+) -> str:
+    """A node's state in a word or two, most urgent first: as the console's "needs attention"
+    judges it (a node silent for 1,000 s is not "ok" on one screen and stopped on the other)."""
+    if approval == "pending":
+        return "pending approval"
+    if stopped_syncing(last_sync_at, now=now, stale_sync_s=stale_sync_s):
+        return "stopped syncing"
+    if draining:
+        return "draining"
+    if cordoned:
+        return "cordoned"
+    return "ok"
 
 
 # Box-drawing frames some CLIs draw around their errors (typer, rich): not the message.

@@ -38,13 +38,11 @@ from llmgw.controlplane.console.web import (
     Refused,
     log,
 )
+from llmgw.http.throttle import AuthThrottle, client_key
 from llmgw.kv.shard_views import ShardViews
 
 __all__ = ["install_console"]
 
-# A node that has not synced for this long is listed under "needs attention" (agents sync
-# every ~2 s; the reconciler's own grace is longer).
-_STALE_SYNC_S = 30.0
 # The usage chart's days, and the CSV export's default and most (UTC days, today included).
 _CHART_DAYS = 14
 _CSV_DAYS = 31
@@ -62,12 +60,14 @@ def install_console(
     admin_token: str,
     registry: CollectorRegistry | None = None,
     kv: ShardViews | None = None,
+    throttle: AuthThrottle | None = None,
 ) -> Console:
     """Mount the console at ``/ui`` on ``app`` (the internal listener's). ``registry`` holds
     the gateway's metrics the Routing page samples; the caller runs ``console.sampler.run``
     for as long as the app serves. ``kv`` is this instance's KV intake (partial views are
-    listed under "needs attention")."""
-    console = Console(app, admin_token, registry, kv)
+    listed under "needs attention"). ``throttle`` counts wrong tokens (the admin API's
+    Bearer check's, so both guesses of the one secret share one budget)."""
+    console = Console(app, admin_token, registry, kv, throttle)
     app.mount(
         f"{PREFIX}/static",
         StaticFiles(packages=[("llmgw.controlplane.console", "static")]),
@@ -132,20 +132,23 @@ def _routes(router: APIRouter, c: Console) -> None:
 
     @router.post("/sign-in")
     async def sign_in(request: Request) -> Response:
+        c.sign_in_throttled(request)  # before the body is read
         fields = await c.form(request, None)
         given = fields.get("token", "").strip()
+        # Again: reading the form awaited, and guesses sent at once must not all pass the
+        # check above; from here to the record below nothing awaits.
+        c.sign_in_throttled(request)
+        client = client_key(request.scope)
         if not given or not hmac.compare_digest(given.encode(), c.admin_token.encode()):
-            wait_s = c.failures.admit(time.monotonic())
-            if wait_s is not None:
-                r = c.refuse(request, 429, "too many failed sign-ins; wait and try again")
-                r.headers["Retry-After"] = str(max(1, int(wait_s + 0.999)))
-                return r
             log.warning("console_sign_in_failed")
+            if given:
+                await c.throttle.failed(client)
             return c.html(
                 "sign_in.html",
                 status=401,
                 error="That is not the admin token (`llmgw up` prints it; up.json holds it).",
             )
+        c.throttle.succeeded(client)
         s = c.sessions.create(time.monotonic())
         log.info("console_signed_in", sessions=len(c.sessions))
         r = RedirectResponse(f"{PREFIX}/overview", status_code=303, headers=HEADERS)
@@ -177,7 +180,7 @@ def _routes(router: APIRouter, c: Console) -> None:
         replicas = await c.calls.items("replicas")
         now = _now()
         attention = fleet_view.attention(
-            nodes, deployments, replicas, now=now, stale_sync_s=_STALE_SYNC_S,
+            nodes, deployments, replicas, now=now, stale_sync_s=fleet_view.STALE_SYNC_S,
             kv_not_whole=c.kv.not_whole() if c.kv is not None else None,
         )  # fmt: skip
         return {

@@ -1,4 +1,4 @@
-"""What every console route shares: the `Console` (its sessions, the sign-in limiter, the
+"""What every console route shares: the `Console` (its sessions, the sign-in throttle, the
 admin API in process), its HTML answers with their security headers, and the checks a request
 passes from its headers alone, before any body is read (`routes` holds the routes).
 
@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 from llmgw.controlplane.console.admin_calls import AdminCalls
 from llmgw.controlplane.console.sampler import RoutingSampler
 from llmgw.controlplane.console.sessions import COOKIE, Session, SessionStore
+from llmgw.http.throttle import AuthThrottle, client_key, retry_after
 from llmgw.kv.shard_views import ShardViews
-from llmgw.ratelimit import TokenBucket
 
 __all__ = ["CSP", "HEADERS", "PREFIX", "SESSION_TTL_S", "Console", "Refused", "log"]
 
@@ -68,7 +68,7 @@ class Refused(Exception):
 
 
 class Console:
-    """The state the routes share: sessions, the sign-in limiter, the admin API in process."""
+    """The state the routes share: sessions, the sign-in throttle, the admin API in process."""
 
     def __init__(
         self,
@@ -76,10 +76,13 @@ class Console:
         admin_token: str,
         registry: CollectorRegistry | None = None,
         kv: ShardViews | None = None,
+        throttle: AuthThrottle | None = None,
     ) -> None:
         self.sessions = SessionStore(ttl_s=SESSION_TTL_S, idle_s=SESSION_IDLE_S)
-        # Failed sign-ins only: guessing the token costs a second per try after a burst.
-        self.failures = TokenBucket(rate_per_s=1.0, burst=10)
+        # Wrong tokens cost the client that sent them; over its budget every sign-in from it
+        # is refused before the token is compared. The admin API's Bearer check shares it
+        # (``internal_app`` hands both the same one): both guess the same secret.
+        self.throttle = throttle if throttle is not None else AuthThrottle()
         self.admin_token = admin_token
         self.calls = AdminCalls(app, admin_token)
         # The routing charts' ring: the app's lifespan runs ``sampler.run``.
@@ -110,6 +113,20 @@ class Console:
         return self.html("error.html", status=status, message=message)
 
     # --- checks (from headers only: before any body is read) ------------------------------
+
+    def sign_in_throttled(self, request: Request) -> None:
+        """Refuse a sign-in from a client over its budget of wrong tokens (429, Retry-After),
+        before its token is compared, the right one included."""
+        wait_s = self.throttle.refused(client_key(request.scope))
+        if wait_s is not None:
+            r = self.refuse(
+                request,
+                429,
+                f"too many wrong tokens from this address: every sign-in is refused, the "
+                f"right token too, for {retry_after(wait_s)} s; then try again",
+            )
+            r.headers["Retry-After"] = retry_after(wait_s)
+            raise Refused(r)
 
     def session_of(self, request: Request) -> Session | None:
         return self.sessions.get(request.cookies.get(COOKIE), time.monotonic())

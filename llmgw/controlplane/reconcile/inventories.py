@@ -59,3 +59,8 @@ class InventoryMemo:
     def end_pass(self) -> None:
         """The lookups since the last call become the memo; the rest is forgotten."""
         self._last, self._this = self._this, {}
+
+    def clear(self) -> None:
+        """Forget everything: the next pass parses every inventory, as a new leader's first
+        does (bench/reconcile.py measures that)."""
+        self._last, self._this = {}, {}

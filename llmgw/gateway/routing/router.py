@@ -196,7 +196,12 @@ def token_home_key(
     unit = _home_unit(scorable_blocks(len(token_ids), block_size), shares)
     if unit is None:
         return None
-    prefix = array("q", token_ids[: (unit + 1) * block_size]).tobytes()
+    try:
+        prefix = array("q", token_ids[: (unit + 1) * block_size]).tobytes()
+    except OverflowError:
+        # An id past 64 bits: the gateway refuses those in a prompt (wire.MAX_TOKEN_ID), so
+        # only a replica's /tokenize could hand one over; such a prompt has no home.
+        return None
     return hashlib.blake2b(prefix, digest_size=8).hexdigest()
 
 

@@ -32,7 +32,8 @@ from tests.controlplane.agentapi.agentapi_testkit import (
 from tests.pg_harness import PgServer
 from tests.support.waiting import until
 
-pytestmark = pytest.mark.timeout(60)
+# e2e: uploaded files are tried, and tokenized, in worker processes.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.e2e]
 
 
 async def _until(predicate, what: str, deadline_s: float = 10.0) -> float:  # type: ignore[no-untyped-def]

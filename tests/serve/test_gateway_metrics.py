@@ -1,0 +1,42 @@
+"""Merging the gateway workers' expositions into the control plane's (serve/gateway_metrics.py):
+per-worker counts are summed, a fact every worker states alike is not, and the agent API's
+own families are left to the control plane's registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from llmgw.serve.gateway_metrics import merge
+
+WORKER = """\
+# TYPE llmgw_prefix_decisions_total counter
+llmgw_prefix_decisions_total{method="precise",model="demo",outcome="hit"} %d
+# TYPE llmgw_prefix_tokenizer_mode gauge
+llmgw_prefix_tokenizer_mode{model="demo",mode="local"} 1
+# TYPE llmgw_agent_kv_requests_total counter
+llmgw_agent_kv_requests_total{result="ack"} 5
+"""
+
+
+def test_workers_are_summed_facts_are_not_and_agent_families_stay_out() -> None:
+    families = merge([WORKER % 2, WORKER % 3])
+
+    class Fixed(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            return families
+
+    registry = CollectorRegistry()
+    registry.register(Fixed())
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    hit = (("method", "precise"), ("model", "demo"), ("outcome", "hit"))
+    assert samples[("llmgw_prefix_decisions_total", hit)] == 5
+    assert samples[("llmgw_prefix_tokenizer_mode", (("mode", "local"), ("model", "demo")))] == 1
+    assert "llmgw_agent_kv_requests" not in text
+    assert merge([]) == []
