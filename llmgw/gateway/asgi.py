@@ -75,4 +75,6 @@ def create_public_app(
                                 clock=time.monotonic)  # fmt: skip
         gateway.starts = (*gateway.starts, demand.start)
         gateway.stops = (*gateway.stops, demand.stop)
+        # The lifespan took its copies when the gateway was built: hand it the longer lists.
+        gateway.lifespan.set_parts(gateway.starts, gateway.stops)
     return RequestLog(gateway, listener="public", internal_error=internal_error)
