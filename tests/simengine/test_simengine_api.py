@@ -236,12 +236,14 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(sim: SimProce
 def test_metrics_carry_vllm_names(sim: SimProcess) -> None:
     # A labelled counter appears once a request has ended: send one here, since the tests
     # that also do may run on another worker.
-    httpx.post(
-        f"{sim.base_url}/v1/completions",
-        json={"model": MODEL, "prompt": "hello", "max_tokens": 2},
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        timeout=30,
-    ).raise_for_status()
+    # The same long prompt twice: the second hits the prefix cache.
+    for _ in range(2):
+        httpx.post(
+            f"{sim.base_url}/v1/completions",
+            json={"model": MODEL, "prompt": "Once upon a time " * 40, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=30,
+        ).raise_for_status()
     text = httpx.get(f"{sim.base_url}/metrics").text
     for name in (
         "vllm:num_requests_running",
