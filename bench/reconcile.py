@@ -39,10 +39,13 @@ import statistics
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import event
+
+# The fleet's rows are the reconcile shell's tests' own (tests/support/sim_fleet.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile import read as reconcile_read
@@ -54,49 +57,21 @@ from llmgw.planner.plan import compute_plan
 from llmgw.planner.snapshot import PlanSettings
 from llmgw.store import migrations
 from llmgw.store.database import create_engine, session_factory
+from tests.support.sim_fleet import counted_statements, sim_inventory, sim_profile_fields
 
 __all__ = ["main"]
 
 # Nodes never go stale during the run: a slow setup must not turn into node-loss replacements.
 SETTINGS = PlanSettings(sync_period_s=2.0, sync_grace_s=86_400.0, drain_timeout_s=60.0)
 
-_PROFILE: dict[str, Any] = {
-    "engine": "sim",
-    "gpu_class": "sim",
-    "tp": 1,
-    "pp": 1,
-    "gpus_per_node": 0,
-    "nodes": 1,
-    "model_path": "sim-model",
-    "served_model_name": "",
-    "args": [],
-    "env": {},
-    "secret_env": {},
-    "adapters": [],
-    "kv_events": False,
-    "threads": 0,
-    "kv_hash_seed": "4242",
-    "kv_block_size": 16,
-    "kv_hash_algo": "sha256_cbor",
-    "kv_extra_key_format": "tagged",
-}
-
-_INVENTORY = json.dumps(
-    {
-        "gpus": [
-            {"index": i, "uuid": f"SIM-{i}", "name": "sim", "gpu_class": "sim", "simulated": True}
-            for i in range(8)
-        ],
-        "cpu_threads": 64,
-        "source": "sim",
-    }
-)
+# Each node's GPU uuids are made unique in SQL at seeding (see _seed).
+_INVENTORY = sim_inventory(8, cpu_threads=64)
 
 
 def _seed(url: str, num_nodes: int) -> int:
     """Nodes, one model, two profiles (tp 4 and tp 8) and the deployments; returns replicas."""
-    fp4 = check_profile("sim-tp4", dict(_PROFILE, tp=4))
-    fp8 = check_profile("sim-tp8", dict(_PROFILE, tp=8))
+    fp4 = check_profile("sim-tp4", sim_profile_fields(tp=4))
+    fp8 = check_profile("sim-tp8", sim_profile_fields(tp=8))
     with psycopg.connect(url, autocommit=True) as conn:
         model = conn.execute("INSERT INTO models (name) VALUES ('m') RETURNING id").fetchone()[0]  # type: ignore[index]
         profiles = {}
@@ -168,16 +143,10 @@ async def _measure(admin_url: str, num_nodes: int, reps: int) -> dict[str, Any]:
             raise AssertionError(f"{num_nodes} nodes: the fleet does not settle")
         setup_s = time.perf_counter() - t0
 
-        statements: list[str] = []
-
-        def count(*args: object) -> None:
-            statements.append(str(args[2]))
-
         times: list[float] = []
         cpu: list[float] = []
         per_pass: list[int] = []
-        event.listen(engine.sync_engine, "before_cursor_execute", count)
-        try:
+        with counted_statements(engine) as statements:
             for _ in range(reps):
                 statements.clear()
                 start, start_cpu = time.perf_counter(), time.process_time()
@@ -186,8 +155,6 @@ async def _measure(admin_url: str, num_nodes: int, reps: int) -> dict[str, Any]:
                 cpu.append(time.process_time() - start_cpu)
                 per_pass.append(len(statements))
                 assert not counts, f"not a no-op pass: {counts}"
-        finally:
-            event.remove(engine.sync_engine, "before_cursor_execute", count)
 
         # The same passes with the cyclic GC off: how much of a pass is collections of a heap
         # the size of the fleet (the rows and views a pass builds are acyclic).

@@ -60,6 +60,7 @@ __all__ = [
     "TooManyRequestsError",
     "UnsupportedMediaTypeError",
     "clip",
+    "retry_after",
     "status_of",
 ]
 
@@ -163,8 +164,17 @@ class TooManyRequestsError(LlmgwError):
 
     def __init__(self, message: str, *, retry_after_s: float, field: str | None = None) -> None:
         super().__init__(message, field=field)
-        # How long the client should wait before sending again; a wire may send it as a header.
+        # How long the client should wait before sending again; a wire sends it as a header
+        # (``retry_after``).
         self.retry_after_s = retry_after_s
+
+
+def retry_after(wait_s: float) -> str:
+    """A ``Retry-After`` header's value for a wait of ``wait_s``, the one spelling every wire
+    sends: whole seconds, rounded up, at least 1 (clients sleep on it, and "0" invites a hot
+    retry loop). The 0.999, not a ceiling: a wait a float's noise past a whole second
+    (2.0000000001) still says 2."""
+    return str(max(1, int(wait_s + 0.999)))
 
 
 class DatabaseUnavailableError(LlmgwError):
@@ -182,6 +192,8 @@ class EngineStartError(LlmgwError):
 
 # Every code a client of llmgw's HTTP APIs can meet, and its status: the one table, read off
 # the tree (the codes of errors that never leave a process, KVError's among them, are not here).
+# Where two codes share a status the first listed is what the bare status stands for
+# (``llmgw.http.errors.code_for_status``: 422 is "spec-invalid", 500 "internal").
 CODES: Final[Mapping[str, int]] = {
     cls.code: cls.status
     for cls in (

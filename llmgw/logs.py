@@ -296,7 +296,11 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if json
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # No locals in a traceback: a frame's locals can hold a token or a request's headers.
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(),
+            exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False),
+        )
     )
     _level[0] = numeric
     _processors[:] = [

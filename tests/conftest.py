@@ -32,8 +32,9 @@ from llmgw.embedded_postgres import throwaway_parent
 from tests.pg_harness import PgServer, migrated_template, pg_server_session
 from tests.support.llama_build import UNBUILT_ENV, build_llama_server
 
-# The `e2e` mark enforced on every test that starts a process (see that module's docstring).
-pytest_plugins = ["tests.support.e2e_guard"]
+# The `e2e` mark enforced on every test that starts a process (see that module's docstring);
+# pytester runs the guard's own tests (tests/support/test_e2e_guard.py).
+pytest_plugins = ["tests.support.e2e_guard", "pytester"]
 
 settings.register_profile("dev", deadline=None)
 settings.register_profile(

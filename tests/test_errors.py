@@ -97,6 +97,7 @@ def test_the_code_table_is_the_tree() -> None:
         503: "database-unavailable",
     }
     assert (code_for_status(418), code_for_status(502)) == ("spec-invalid", "internal")
+    assert (code_for_status(426), code_for_status(429)) == ("protocol-version", "too-many-requests")
 
 
 def test_the_admin_shape_renders_status_code_and_field() -> None:
@@ -107,6 +108,9 @@ def test_the_admin_shape_renders_status_code_and_field() -> None:
         b'"field":"name"}}'
     )
     assert render(AuthError("no token")).headers["www-authenticate"] == "Bearer"
+    assert (
+        render(TooManyRequestsError("slow down", retry_after_s=2.1)).headers["retry-after"] == "3"
+    )
 
 
 def test_the_agent_shape_renders_status_code_and_retry_after() -> None:

@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 
@@ -201,7 +202,9 @@ def get(
             items = client.list_all(plural, **{_FILTERED_BY_NAME[plural]: name})
             data = items
         elif name is not None:
-            item = client.request("GET", f"/{plural}/{name}")
+            # Percent-encoded as `llmgw nodes` sends it (a deployment's "/" kept): a name from
+            # before the name rule (a newline, a "?") is still one path segment.
+            item = client.request("GET", f"/{plural}/{quote(name)}")
             items = [item]
             data = item
         else:

@@ -126,13 +126,6 @@ class GatewaySettings(Section):
         description="Budget of one local tokenizing; past it the request falls back to the "
         "replica's /tokenize, then to the approximate tree.",
     )
-    local_tokenize_inline_chars: int = Field(
-        default=2048,
-        ge=0,
-        le=1_000_000,
-        description="Unused: every prompt is tokenized in the worker processes (a small "
-        "chat adds ~0.1 ms there). Kept so existing settings files still load.",
-    )
     local_tokenize_max_chars: int = Field(
         default=1_000_000,
         ge=1000,

@@ -37,6 +37,7 @@ __all__ = [
     "InstanceHeartbeat",
     "InstanceIdentity",
     "is_gateway",
+    "listener_url",
     "new_instance_id",
 ]
 
@@ -61,6 +62,14 @@ def new_instance_id(*, gateway: bool = False) -> str:
 
 def is_gateway(instance_id: str) -> bool:
     return instance_id.startswith(GATEWAY_ID_PREFIX)
+
+
+def listener_url(host: str, port: int) -> str:
+    """Where agents reach a listener bound to ``host:port``: a wildcard is where we listen, not
+    where anyone can reach us, so this machine's name stands in for it."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class InstanceHeartbeat:

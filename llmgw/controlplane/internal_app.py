@@ -17,7 +17,6 @@ app is mounted on the internal listener only (``llmgw.serve.servers``).
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from llmgw.controlplane.admin.api import admin_router
 from llmgw.controlplane.admin.errors import install_error_handlers, internal_error_body
 from llmgw.controlplane.agentapi.endpoints import install_agent_api
 from llmgw.controlplane.console import install_console
-from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
+from llmgw.controlplane.instances import InstanceIdentity, listener_url, new_instance_id
 from llmgw.controlplane.reconcile.loop import ReconcileMetrics, Reconciler
 from llmgw.embedded_postgres import libpq_url
 from llmgw.errors import ConfigError
@@ -53,6 +52,7 @@ from llmgw.store.notify import NotifyHub
 __all__ = [
     "ControlPlaneParts",
     "advertise_url",
+    "build_parts",
     "build_reconciler",
     "check_settings",
     "create_app",
@@ -104,7 +104,8 @@ def create_app(
     check_settings(settings)
     own = parts is None
     if parts is None:
-        parts = _own_parts(settings)
+        identity = InstanceIdentity(new_instance_id(), advertise_url(settings))
+        parts = build_parts(settings, identity, notify=None)
     engine, sessions, metrics = parts.engine, parts.sessions, parts.registry
     instance, reconciler = parts.instance, parts.reconciler
     head = migrations.head_revision()
@@ -206,7 +207,16 @@ def create_app(
     return app
 
 
-def _own_parts(settings: ControlPlaneSettings) -> ControlPlaneParts:
+def build_parts(
+    settings: ControlPlaneSettings,
+    instance: InstanceIdentity,
+    *,
+    notify: NotifyHub | None,
+    reconcile: bool = True,
+) -> ControlPlaneParts:
+    """The parts over ``settings``' database for the process ``instance``: a reconciler unless
+    ``reconcile`` is off (a gateway process) or the settings turn it off, its NOTIFYs through
+    ``notify`` (None: a LISTEN connection of its own)."""
     engine = create_engine(
         settings.database_url,
         pool_size=settings.db_pool_size,
@@ -214,9 +224,12 @@ def _own_parts(settings: ControlPlaneSettings) -> ControlPlaneParts:
     )
     sessions = session_factory(engine)
     registry = CollectorRegistry()
-    instance = InstanceIdentity(new_instance_id(), advertise_url(settings))
-    reconciler = build_reconciler(
-        settings, sessions=sessions, registry=registry, instance_id=instance.id, notify=None
+    reconciler = (
+        build_reconciler(
+            settings, sessions=sessions, registry=registry, instance_id=instance.id, notify=notify
+        )
+        if reconcile
+        else None
     )
     return ControlPlaneParts(engine, sessions, registry, instance, ShardViews(), reconciler)
 
@@ -248,13 +261,7 @@ def advertise_url(settings: ControlPlaneSettings) -> str:
     """Where agents reach this process's internal listener."""
     if settings.advertise_url:
         return settings.advertise_url.rstrip("/")
-    host = settings.internal_host
-    if host in ("0.0.0.0", "::", ""):
-        # A wildcard is where we listen, not where anyone can reach us.
-        host = socket.getfqdn()
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{settings.internal_port}"
+    return listener_url(settings.internal_host, settings.internal_port)
 
 
 def plan_settings(r: ReconcileSettings) -> PlanSettings:

@@ -14,40 +14,33 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from llmgw.engines.flags import flag_value, syntax_for
+
 __all__ = ["kv_capacity_blocks"]
 
 # The simulator's own default (`llmgw simengine --num-blocks`).
 SIM_DEFAULT_BLOCKS: Final = 4096
 
 
-def _flag(args: Sequence[object], names: tuple[str, ...]) -> int | None:
-    """The int value of the last of ``names`` in ``args`` (`--x N` or `--x=N`)."""
-    found: int | None = None
-    items = [str(a) for a in args]
-    for i, arg in enumerate(items):
-        value: str | None = None
-        for name in names:
-            if arg == name and i + 1 < len(items):
-                value = items[i + 1]
-            elif arg.startswith(name + "="):
-                value = arg[len(name) + 1 :]
-        if value is not None and value.strip().isdigit():
-            found = int(value.strip())
-    return found
+def _flag(engine: str, args: Sequence[str], name: str) -> int | None:
+    """The whole number the engine's parser reads for ``name`` in ``args`` (every spelling it
+    accepts, the last one kept, as ``flags.flag_value`` reads them); None: absent or no number."""
+    value = flag_value(args, (name,), syntax_for(engine))
+    return int(value.strip()) if value is not None and value.strip().isdigit() else None
 
 
 def kv_capacity_blocks(profile: Mapping[str, Any]) -> int | None:
     """KV blocks the engine of a launch spec's ``profile`` document holds, None: unknown."""
     engine = profile.get("engine")
     raw = profile.get("args")
-    args: Sequence[object] = raw if isinstance(raw, list | tuple) else ()
+    args = [str(a) for a in raw] if isinstance(raw, list | tuple) else []
     if engine == "sim":
-        blocks = _flag(args, ("--num-blocks",))
+        blocks = _flag(engine, args, "--num-blocks")
         return blocks if blocks else SIM_DEFAULT_BLOCKS
     if engine == "vllm":
-        return _flag(args, ("--num-gpu-blocks-override",)) or None
+        return _flag(engine, args, "--num-gpu-blocks-override") or None
     if engine == "sglang":
-        tokens = _flag(args, ("--max-total-tokens",))
+        tokens = _flag(engine, args, "--max-total-tokens")
         kv = profile.get("kv_hash")
         size = kv.get("block_size") if isinstance(kv, Mapping) else None
         if tokens and isinstance(size, int) and size > 0:

@@ -55,6 +55,15 @@ def create_public_app(
     limiter = Limiter(recorder=recorder)
     routes = RouteCache(sessions, notify=notify, refresh_s=settings.routes_refresh_s)
     tokenizers = TokenizerFilesCache(sessions, notify=notify)
+    starts = [keys.start, recorder.start, routes.start, tokenizers.start]
+    stops = [keys.stop, recorder.stop, routes.stop, tokenizers.stop]
+    if instance_id:
+        # The reporter reads the gateway's flow control only once started, by when the gateway
+        # below exists: built first, it joins the lists, starting last and stopping first.
+        demand = DemandReporter(sessions, instance_id=instance_id,
+                                flow=lambda: gateway.flow, clock=time.monotonic)  # fmt: skip
+        starts.append(demand.start)
+        stops.append(demand.stop)
     gateway: Gateway[KeyContext] = Gateway(
         settings=settings,
         routes=routes,
@@ -63,18 +72,8 @@ def create_public_app(
         metrics=GatewayMetrics.create(registry),
         intake=intake,
         tokenizer_files=tokenizers,
-        # Stopped in reverse: routes, then the recorder's final flush, then the keys.
-        starts=(keys.start, recorder.start, routes.start, tokenizers.start),
-        stops=(keys.stop, recorder.stop, routes.stop, tokenizers.stop),
+        # Stopped in reverse: the demand report, routes, the recorder's final flush, the keys.
+        starts=starts,
+        stops=stops,
     )
-    if instance_id:
-        # The reporter reads the gateway's flow control, which the gateway builds: so it comes
-        # after the gateway, starts last and stops first.
-        flow = gateway.flow
-        demand = DemandReporter(sessions, instance_id=instance_id, flow=lambda: flow,
-                                clock=time.monotonic)  # fmt: skip
-        gateway.starts = (*gateway.starts, demand.start)
-        gateway.stops = (*gateway.stops, demand.stop)
-        # The lifespan took its copies when the gateway was built: hand it the longer lists.
-        gateway.lifespan.set_parts(gateway.starts, gateway.stops)
     return RequestLog(gateway, listener="public", internal_error=internal_error)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 
-from llmgw.errors import clip
+from llmgw.errors import clip, retry_after
 from llmgw.http.errors import printable
 
 __all__ = [
@@ -104,8 +104,7 @@ class GatewayError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
-        # Whole seconds, at least 1: clients sleep on it, and "0" invites a hot retry loop.
-        return {"Retry-After": str(max(1, int(self.retry_after_s + 0.999)))}
+        return {"Retry-After": retry_after(self.retry_after_s)}
 
     @classmethod
     def invalid_key(cls) -> GatewayError:

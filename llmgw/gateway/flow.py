@@ -464,7 +464,6 @@ class FlowControl:
 
 _SHED_WHY = {
     "queue_requests": "its queue is full (gateway.queue_max_requests)",
-    "queue_bytes": "its queue holds as many request bytes as it may (gateway.queue_max_bytes)",
     "queue_timeout": "no replica could take the request within gateway.queue_timeout_s",
     "replica_busy": "its replicas refused the connection while busy",
 }

@@ -69,15 +69,6 @@ class Lifespan:
         self._metrics = metrics
         self._starts = starts
         self._stops = stops
-
-    def set_parts(
-        self,
-        starts: Sequence[Callable[[], Awaitable[None]]],
-        stops: Sequence[Callable[[], Awaitable[None]]],
-    ) -> None:
-        """Parts built after the gateway (its demand report, which reads its flow)."""
-        self._starts = starts
-        self._stops = stops
         self._stats_task: asyncio.Task[None] | None = None
 
     async def startup(self) -> None:

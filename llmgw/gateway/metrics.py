@@ -52,33 +52,24 @@ class GatewayMetrics:
     # key on every call, a measurable share of the gateway's per-request CPU.
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
 
-    def inc(self, metric: Counter, *labels: str) -> None:
+    def _child(self, metric: Counter | Gauge | Histogram, labels: tuple[str, ...]) -> Any:
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)
-        child.inc()
+        return child
+
+    def inc(self, metric: Counter, *labels: str) -> None:
+        self._child(metric, labels).inc()
 
     def observe(self, metric: Histogram, value: float, *labels: str) -> None:
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        child.observe(value)
+        self._child(metric, labels).observe(value)
 
     def add(self, metric: Gauge, delta: float, *labels: str) -> None:
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        child.inc(delta)
+        self._child(metric, labels).inc(delta)
 
     def gauge(self, metric: Gauge, value: float, *labels: str) -> None:
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        child.set(value)
+        self._child(metric, labels).set(value)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
@@ -232,8 +223,8 @@ class GatewayMetrics:
             ),
             shed=Counter(
                 "llmgw_gateway_shed",
-                "Requests shed with 503 by reason (queue_requests, queue_bytes, queue_timeout, "
-                "replica_busy).",
+                "Requests shed by reason: 503 for queue_requests, queue_timeout, replica_busy "
+                "and wake_blocked; 429 for the memory bounds queue_bytes and queue_bytes_total.",
                 ["model", "reason"],
                 registry=registry,
             ),

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
+from llmgw.periodic import backoff_delay
 from llmgw.store.notify import NotifyHub, Subscription
 
 __all__ = ["NotifiedCache"]
@@ -98,7 +99,7 @@ class NotifiedCache:
     def _pause_s(self) -> float:
         if not self._failures:
             return self.refresh_s
-        return float(min(self.refresh_s, _RETRY_MAX_S, _RETRY_BASE_S * 2**self._failures))
+        return backoff_delay(self._failures, _RETRY_BASE_S, min(self.refresh_s, _RETRY_MAX_S))
 
     async def _run(self) -> None:
         while True:

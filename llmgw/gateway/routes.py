@@ -130,9 +130,10 @@ def served_name(profile: Mapping[str, Any], index_model: str) -> str:
 
 
 # The rollout status's words for a replica the placement cannot fit (``planner.status``), and
-# for the one case among them that frees itself within a queue's wait.
+# for the cases among them that free themselves within a queue's wait (GPUs held by draining
+# or stopping replicas).
 _UNPLACEABLE = "cannot place a replica: "
-_FREEING = "waiting for draining replicas"
+_FREEING = "replicas to free their GPUs"
 _REASON_CHARS = 400
 
 
@@ -140,7 +141,7 @@ def wake_blocked(d: DeclaredRow) -> str:
     """Pure: why a wake of ``d`` cannot succeed now, as the leader's rows say ("": nothing
     known). An engine that crash-loops, or a replica no node can take (no node with its GPU
     class, every GPU taken) does not resolve itself while a request waits; a placement
-    waiting on draining replicas does, so it blocks nothing."""
+    waiting on draining or stopping replicas does, so it blocks nothing."""
     if d.crash_reason is not None:
         return f"its engine is crash-looping ({d.crash_reason.strip()[:_REASON_CHARS]})"
     at = d.status_reason.find(_UNPLACEABLE)

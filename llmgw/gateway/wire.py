@@ -194,13 +194,14 @@ def reserve_tokens(
     (``n``, or ``best_of`` when larger). The body's fields are the engine's values already
     (``engine_fields.canonicalize``): ``"250"`` is 250 here as there."""
     default = None if chat else _COMPLETIONS_DEFAULT_MAX_TOKENS
+    # Canonical already: each an int within its bound, or None.
     wanted = body.get("max_completion_tokens") or body.get("max_tokens", default)
-    if type(wanted) is not int or wanted < 0:
+    if wanted is None:
         if context_limit is not None:
             wanted = max(1, context_limit - prompt_tokens)
         else:
             wanted = settings.default_max_tokens
-    copies = max([1, *(v for v in (body.get("n"), body.get("best_of")) if type(v) is int)])
+    copies = max(1, body.get("n") or 1, body.get("best_of") or 1)
     return int(wanted) * copies
 
 

@@ -19,17 +19,17 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmgw.errors import TooManyRequestsError
-from llmgw.http.errors import error_response
-from llmgw.http.throttle import AuthThrottle, client_key, retry_after
+from llmgw.errors import AuthError, TooManyRequestsError, retry_after
+from llmgw.http.errors import render
+from llmgw.http.throttle import AuthThrottle, client_key
 
-__all__ = ["AdminAuth", "admin_token_problem", "presented_token", "throttled_message"]
+__all__ = ["AdminAuth", "admin_token_problem", "presented_token"]
 
 _MISSING = "missing admin token: send `Authorization: Bearer <admin token>`"
 _WRONG = "wrong admin token; `llmgw up` prints it and writes it to up.json"
 
 
-def throttled_message(wait_s: float) -> str:
+def _throttled_message(wait_s: float) -> str:
     return (
         "too many wrong admin tokens from this address: every attempt is refused, the right "
         f"token too, for {retry_after(wait_s)} s (Retry-After); then send the token `llmgw up` "
@@ -78,13 +78,8 @@ class AdminAuth:
                 # concurrent guesses cannot all pass one check.
                 wait_s = self.throttle.refused(client)
                 if wait_s is not None:
-                    response = error_response(
-                        429,
-                        TooManyRequestsError.code,
-                        throttled_message(wait_s),
-                        headers={"Retry-After": retry_after(wait_s)},
-                    )
-                    await response(scope, receive, send)
+                    refused = TooManyRequestsError(_throttled_message(wait_s), retry_after_s=wait_s)
+                    await render(refused)(scope, receive, send)
                     return
                 problem = admin_token_problem(Headers(scope=scope).get("authorization"), self.token)
                 if problem is _WRONG:
@@ -92,6 +87,6 @@ class AdminAuth:
                 elif problem is None:
                     self.throttle.succeeded(client)
                 if problem is not None:
-                    await error_response(401, "unauthorized", problem)(scope, receive, send)
+                    await render(AuthError(problem))(scope, receive, send)
                     return
         await self.app(scope, receive, send)

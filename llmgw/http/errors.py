@@ -19,39 +19,22 @@ from collections.abc import Mapping
 from starlette.responses import Response
 
 from llmgw.errors import (
-    AuthError,
-    BodyTooLargeError,
-    ConflictError,
-    DatabaseUnavailableError,
+    CODES,
     InternalError,
     LlmgwError,
-    MalformedJsonError,
-    MethodNotAllowedError,
-    NotFoundError,
     SpecError,
-    UnsupportedMediaTypeError,
+    TooManyRequestsError,
     clip,
+    retry_after,
     status_of,
 )
 
 __all__ = ["code_for_status", "error_body", "error_response", "printable", "render"]
 
-# The kind of error a bare status stands for, where the tree has one kind per status.
-_BY_STATUS: dict[int, str] = {
-    cls.status: cls.code
-    for cls in (
-        MalformedJsonError,
-        AuthError,
-        NotFoundError,
-        MethodNotAllowedError,
-        ConflictError,
-        BodyTooLargeError,
-        UnsupportedMediaTypeError,
-        SpecError,
-        InternalError,
-        DatabaseUnavailableError,
-    )
-}
+# The kind of error a bare status stands for, read off the tree's table: where two codes share
+# a status the one ``CODES`` lists first ("spec-invalid" for 422, "internal" for 500).
+# (Read backwards, so the first listed is the one left.)
+_BY_STATUS: dict[int, str] = {status: code for code, status in reversed(list(CODES.items()))}
 
 
 def code_for_status(status: int) -> str:
@@ -97,5 +80,8 @@ def error_response(
 
 
 def render(exc: LlmgwError, headers: Mapping[str, str] | None = None) -> Response:
-    """``exc`` in the admin shape, with the status and code its type states."""
+    """``exc`` in the admin shape, with the status and code its type states (and a 429's
+    ``Retry-After``)."""
+    if isinstance(exc, TooManyRequestsError):
+        headers = {"Retry-After": retry_after(exc.retry_after_s), **(headers or {})}
     return error_response(status_of(exc), exc.code, exc.message, exc.field, headers)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from llmgw.logs import get_logger
 
@@ -31,6 +32,16 @@ FD_RESERVE = 256
 _MIN_CONNECTIONS = 16
 
 
+class HeadSettings(Protocol):
+    """A settings section that bounds its listener's request heads (each listener's has both)."""
+
+    @property
+    def max_header_bytes(self) -> int: ...
+
+    @property
+    def header_timeout_s(self) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ListenerLimits:
     """One listener's bounds, and the settings that set them (named in errors and logs)."""
@@ -50,6 +61,27 @@ class ListenerLimits:
                 f"{self.listener} listener limits out of range: max_connections >= 1, "
                 "max_header_bytes >= 1024 and header_timeout_s > 0 are required"
             )
+
+    @classmethod
+    def of(
+        cls,
+        listener: str,
+        s: HeadSettings,
+        *,
+        section: str,
+        connections: str = "max_connections",
+    ) -> ListenerLimits:
+        """``listener``'s bounds from the settings section ``s`` (``section`` in the files):
+        its head bounds and the connection cap in its field ``connections``. The settings named
+        in errors and logs are spelled from the fields read, so the two cannot drift apart."""
+        return cls(
+            listener=listener,
+            max_connections=int(getattr(s, connections)),
+            max_header_bytes=s.max_header_bytes,
+            header_timeout_s=s.header_timeout_s,
+            connections_setting=f"{section}.{connections}",
+            header_bytes_setting=f"{section}.max_header_bytes",
+        )
 
 
 def raise_fd_limit() -> int:

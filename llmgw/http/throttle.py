@@ -17,9 +17,11 @@ One global bucket too: many addresses together guess at most its rate. While it 
 clients not known are refused, known clients (a right credential seen from them while they
 were tracked) still try, so a guesser spread over many addresses cannot lock the operator out.
 
-Memory is bounded: at most ``max_clients`` are tracked, the least recently seen dropped first
-(an attacker churning addresses only evicts: the global bucket still bounds its guesses).
-Behind a proxy every client has the proxy's address: one budget for all, which fails safe.
+Memory is bounded: at most ``max_clients`` are tracked, the least recently seen dropped first,
+known clients last (an attacker churning addresses evicts only its own kind: the global bucket
+still bounds its guesses, and the operator it would lock out stays known). The address is the
+TCP peer's (the listeners do not read X-Forwarded-For): behind a proxy every client has the
+proxy's address, one budget for all, which fails safe.
 
 What it must not do: compare a secret (its callers do, between ``refused`` and ``failed`` /
 ``succeeded``, with no ``await`` in between so concurrent guesses cannot all pass one check),
@@ -32,13 +34,16 @@ import asyncio
 import ipaddress
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
 
+from llmgw.errors import retry_after
 from llmgw.ratelimit import TokenBucket
 
+# retry_after is the tree's one Retry-After spelling, named here for the throttle's callers
+# (the console's sign-in, whose package does not import llmgw.errors).
 __all__ = ["AuthThrottle", "client_key", "retry_after"]
 
 log = structlog.get_logger("llmgw.auth")
@@ -55,10 +60,10 @@ FAILURE_DELAY_S = 0.2
 MAX_CLIENTS = 4096
 
 
-def client_key(scope: dict[str, Any] | Any) -> str:
+def client_key(scope: Mapping[str, Any]) -> str:
     """The client an ASGI ``scope`` came from, as the throttle counts it: the peer's address,
     an IPv6 one by its /64; "unknown" for a peer without one (all such share one budget)."""
-    client = scope.get("client") if isinstance(scope, dict) else None
+    client = scope.get("client")
     host = str(client[0]) if client else ""
     if not host:
         return "unknown"
@@ -71,11 +76,6 @@ def client_key(scope: dict[str, Any] | Any) -> str:
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
-
-
-def retry_after(wait_s: float) -> str:
-    """A Retry-After header's value: whole seconds, at least 1, rounded up."""
-    return str(max(1, int(wait_s + 0.999)))
 
 
 class _Client:
@@ -155,11 +155,6 @@ class AuthThrottle:
 
     def succeeded(self, client: str) -> None:
         """A right credential from ``client``: its failures forgiven, the client known."""
-        entry = self._clients.get(client)
-        if entry is not None and entry.known:
-            if entry.bucket.level < entry.bucket.burst:
-                entry.bucket.level = entry.bucket.burst
-            return
         entry = self._entry(client)
         entry.bucket.level = entry.bucket.burst
         entry.known = True
@@ -169,8 +164,18 @@ class AuthThrottle:
         if entry is None:
             entry = _Client(TokenBucket(rate_per_s=self.client_rate_per_s, burst=self.client_burst))
             self._clients[client] = entry
-            while len(self._clients) > self.max_clients:
-                self._clients.popitem(last=False)
+            if len(self._clients) > self.max_clients:
+                self._evict(keep=client)
         else:
             self._clients.move_to_end(client)
         return entry
+
+    def _evict(self, *, keep: str) -> None:
+        """Drop the least recently seen client not known (never ``keep``, the one just added);
+        a known one only when all others are. Only a right credential makes a client known,
+        so a guesser cannot lengthen the scan past the known ones."""
+        for key, entry in self._clients.items():
+            if not entry.known and key != keep:
+                del self._clients[key]
+                return
+        self._clients.popitem(last=False)

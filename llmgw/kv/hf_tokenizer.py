@@ -19,8 +19,9 @@ are exactly the concatenation of its pieces' ids: a long system prompt between t
 (``SegmentCache``). A tokenizer for which that does not hold is encoded whole, every time;
 ``segment_cached`` says which.
 
-Thread-safe (the gateway encodes on a small pool; ``tokenizers`` releases the GIL while it
-works). What it must NOT do: I/O. It is given the files' bytes, never a path.
+Safe from several threads (the simulator prepares large requests on threads); the gateway
+renders and encodes with it in worker processes (``llmgw.tokenizing``). What it must NOT do:
+I/O. It is given the files' bytes, never a path.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from jinja2 import TemplateError
@@ -87,6 +88,10 @@ class TokenizerFiles:
     them once and a gateway reloads only when the set changes."""
 
     files: Mapping[str, bytes]
+    # Hashed once, at construction: a set is compared by its digest on every refresh of every
+    # gateway (on its event loop), and 48 MB take ~100 ms to hash.
+    _file_digests: Mapping[str, str] = field(init=False, repr=False, compare=False)
+    digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.files) - set(TOKENIZER_FILE_NAMES))
@@ -110,14 +115,14 @@ class TokenizerFiles:
             raise TokenizerFilesError(
                 f"the tokenizer files are {total} bytes together, over {MAX_FILES_BYTES}"
             )
+        shas = {name: hashlib.sha256(data).hexdigest() for name, data in self.files.items()}
+        object.__setattr__(self, "_file_digests", shas)
+        digest = hashlib.sha256(json.dumps(sorted(shas.items())).encode()).hexdigest()
+        object.__setattr__(self, "digest", digest)
 
     def file_digests(self) -> dict[str, str]:
-        return {name: hashlib.sha256(data).hexdigest() for name, data in self.files.items()}
-
-    @property
-    def digest(self) -> str:
-        parts = sorted(self.file_digests().items())
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+        """File name -> its SHA-256."""
+        return dict(self._file_digests)
 
 
 class SegmentCache:
@@ -328,7 +333,8 @@ class HfTokenizer:
     ) -> str:
         """The prompt text of a chat, as the engine renders it. Raises ``SpecError`` for what
         the engine refuses too (both generation prompt and continuation, no messages, a
-        template that raises), ``TemplateBudgetError`` (a ``SpecError``) for a render past its
+        template that raises, or fails on a value of the messages: a ``TypeError`` or
+        ``ValueError``), ``TemplateBudgetError`` (a ``SpecError``) for a render past its
         budget: over ``max_chars`` characters of output, or a template whose work outgrows
         the chat (``template_budget``)."""
         check_chat_options(
@@ -362,6 +368,14 @@ class HfTokenizer:
             raise
         except TemplateError as exc:
             raise SpecError(f"the chat template refused the request: {clip(str(exc))}") from None
+        except (TypeError, ValueError) as exc:
+            # A value the template cannot use (a null content it concatenates, a number it
+            # iterates): the body's fault, as vLLM answers it (400), never a 500.
+            raise SpecError(
+                f"the chat template cannot render these messages: {type(exc).__name__}: "
+                f"{clip(str(exc))}; send each message's content as text",
+                field="messages",
+            ) from None
         if continue_final_message:
             final = (chat[-1].get("content") or "").strip()
             at = rendered.rfind(final) if final else -1

@@ -7,6 +7,7 @@ inventory file; a machine with neither reports no GPUs and says how to describe 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ log = get_logger("llmgw.nodeagent")
 _INVENTORY_REFRESH_S = 30.0
 
 
+@functools.cache  # read from the installed metadata once, not at every inventory read
 def agent_version() -> str:
     try:
         from importlib.metadata import version

@@ -82,13 +82,8 @@ def listener_limits(s: AgentSettings) -> tuple[ListenerLimits, ListenerLimits]:
                 max_header_bytes=s.max_header_bytes,
                 header_timeout_s=s.header_timeout_s,
             ),
-            ListenerLimits(
-                listener="agent-metrics",
-                max_connections=s.listen_max_connections,
-                max_header_bytes=s.max_header_bytes,
-                header_timeout_s=s.header_timeout_s,
-                connections_setting="agent.listen_max_connections",
-                header_bytes_setting="agent.max_header_bytes",
+            ListenerLimits.of(
+                "agent-metrics", s, section="agent", connections="listen_max_connections"
             ),
         ],
         reserve=_FD_RESERVE,

@@ -37,6 +37,7 @@ def _reason(
     ready: int,
     num_old: int,
     num_draining: int,
+    num_stopping: int,
     unplaced: Unplaceable | None,
 ) -> str:
     if d.suspended:
@@ -52,6 +53,10 @@ def _reason(
         parts.append(f"cannot place a replica: {unplaced.explain()}")
         if num_draining:
             parts.append("waiting for draining replicas to free their GPUs")
+        elif num_stopping:
+            # Scaled to zero and woken at once: the stopped replicas still hold their GPUs
+            # until their agents report them gone; the placement frees itself.
+            parts.append("waiting for stopping replicas to free their GPUs")
         elif num_old:
             budget = rollout_budget(d.max_surge, d.max_unavailable, d.replicas)
             parts.append(
@@ -77,6 +82,7 @@ def compute_status(
     updated = len(c.current)
     ready = sum(1 for r in active if serving(r))
     num_draining = sum(1 for r in replicas if r.state == "draining")
+    num_stopping = sum(1 for r in replicas if r.state == "stopping")
     num_suspended = sum(1 for r in active if any(s.desired_state == "suspended" for s in r.shards))
     # An autoscaler's suspended replicas are placed as desired: they count toward done.
     placed = d.placed_replicas
@@ -106,6 +112,7 @@ def compute_status(
         ready=ready,
         num_old=len(c.old),
         num_draining=num_draining,
+        num_stopping=num_stopping,
         unplaced=unplaced,
     )
     if num_suspended and not d.suspended:

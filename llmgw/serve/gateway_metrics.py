@@ -22,6 +22,7 @@ What it must not do: read anything on ``collect`` (it runs on the event loop ins
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Sequence
 
 import httpx
@@ -30,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from llmgw.controlplane.instances import is_gateway
+from llmgw.http.bodies import BadContentLength, BodyTooLarge, declared_length, read_capped
 from llmgw.logs import get_logger
 from llmgw.periodic import Periodic
 from llmgw.protocol.sync import ControlPlaneInstance
@@ -49,6 +51,9 @@ _MAX_FAMILIES = frozenset(
 )
 _OWN_PREFIXES = ("llmgw_agent_",)
 _TIMEOUT_S = 1.0
+# One gateway's exposition: a few hundred KiB with many models and replicas. Read under a cap,
+# as every other scrape is, so a wrong URL in an instance row cannot fill this process.
+_MAX_BYTES = 4 << 20
 
 
 def merge(texts: Iterable[str]) -> list[Metric]:
@@ -107,25 +112,28 @@ class GatewayMetrics(Collector):
     async def read(self) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=_TIMEOUT_S)
-        texts = []
-        for inst in self._instances():
-            if not is_gateway(inst.id):
-                continue
-            try:
-                r = await self._client.get(f"{inst.internal_url}/metrics")
-                r.raise_for_status()
-            except httpx.HTTPError as exc:
-                # A gateway stopping, or restarting: its row ages out within seconds.
-                if inst.id not in self._unreachable:
-                    log.info("gateway_metrics_unreadable", instance=inst.id, error=repr(exc))
-                    self._unreachable.add(inst.id)
-                continue
-            self._unreachable.discard(inst.id)
-            texts.append(r.text)
+        gateways = [inst for inst in self._instances() if is_gateway(inst.id)]
+        # All at once: one gateway that hangs costs the read its timeout, not each one after it.
+        texts = await asyncio.gather(*(self._read_one(self._client, inst) for inst in gateways))
         try:
-            self._families = merge(texts)
+            self._families = merge(t for t in texts if t is not None)
         except ValueError as exc:  # not an exposition: keep what was read last
             log.warning("gateway_metrics_unparsable", error=repr(exc))
+
+    async def _read_one(self, client: httpx.AsyncClient, inst: ControlPlaneInstance) -> str | None:
+        try:
+            async with client.stream("GET", f"{inst.internal_url}/metrics") as r:
+                r.raise_for_status()
+                declared = declared_length(r.headers.get("content-length"))
+                body = await read_capped(r.aiter_bytes(), _MAX_BYTES, declared)
+        except (httpx.HTTPError, BodyTooLarge, BadContentLength) as exc:
+            # A gateway stopping, or restarting: its row ages out within seconds.
+            if inst.id not in self._unreachable:
+                log.info("gateway_metrics_unreadable", instance=inst.id, error=repr(exc))
+                self._unreachable.add(inst.id)
+            return None
+        self._unreachable.discard(inst.id)
+        return body.decode("utf-8", errors="replace")
 
     def start(self) -> None:
         self._reader.start()

@@ -30,7 +30,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -97,21 +96,17 @@ def _serve_worker(
     *,
     reuse_port: bool,
 ) -> None:
-    from prometheus_client import CollectorRegistry
-
     from llmgw import eventloop
     from llmgw.config import load_settings
-    from llmgw.controlplane.instances import new_instance_id
-    from llmgw.controlplane.internal_app import ControlPlaneParts
+    from llmgw.controlplane.instances import listener_url, new_instance_id
+    from llmgw.controlplane.internal_app import build_parts
     from llmgw.embedded_postgres import libpq_url
     from llmgw.errors import ConfigError
     from llmgw.gateway.asgi import create_public_app
     from llmgw.http.listeners import FD_RESERVE, ListenerLimits
-    from llmgw.kv.shard_views import ShardViews
     from llmgw.logs import configure_logging, get_logger, log_to_file
     from llmgw.serve.process import Process, public_listener, serve_process
     from llmgw.serve.servers import ConfigReload, Listener, bind
-    from llmgw.store.database import create_engine, session_factory
     from llmgw.store.instances import InstanceIdentity
     from llmgw.store.notify import NotifyHub
 
@@ -137,25 +132,22 @@ def _serve_worker(
         port = int(private_sock.getsockname()[1])
         instance = InstanceIdentity(
             new_instance_id(gateway=True),
-            opts.advertise_url.rstrip("/") or _url(opts.private_host, port),
+            opts.advertise_url.rstrip("/") or listener_url(opts.private_host, port),
         )
-        engine = create_engine(
-            cp.database_url, pool_size=cp.db_pool_size, connect_timeout_s=cp.db_connect_timeout_s
+        notify = NotifyHub(
+            libpq_url(cp.database_url), application_name=f"llmgw-notify-{instance.id}"
         )
+        # No reconciler: the gateway never leads.
+        parts = build_parts(cp, instance, notify=notify, reconcile=False)
     except BaseException:
         private_sock.close()
         raise
-    sessions = session_factory(engine)
-    registry = CollectorRegistry()
-    kv = ShardViews()
-    notify = NotifyHub(libpq_url(cp.database_url), application_name=f"llmgw-notify-{instance.id}")
+    sessions, registry, kv = parts.sessions, parts.registry, parts.kv
     public = create_public_app(
         gw, sessions=sessions, notify=notify, registry=registry, intake=kv, instance_id=instance.id
     )
     private = private_app(cp, sessions=sessions, registry=registry, instance=instance, kv=kv)
-    process = Process(
-        parts=ControlPlaneParts(engine, sessions, registry, instance, kv, None), notify=notify
-    )
+    process = Process(parts=parts, notify=notify)
     listeners = [
         public_listener(settings, public, reuse_port=reuse_port),
         Listener(
@@ -164,14 +156,7 @@ def _serve_worker(
             host=opts.private_host,
             port=port,
             setting="--private-port",
-            limits=ListenerLimits(
-                listener="private",
-                max_connections=cp.max_connections,
-                max_header_bytes=cp.max_header_bytes,
-                header_timeout_s=cp.header_timeout_s,
-                connections_setting="controlplane.max_connections",
-                header_bytes_setting="controlplane.max_header_bytes",
-            ),
+            limits=ListenerLimits.of("private", cp, section="controlplane"),
             sock=private_sock,
         ),
     ]
@@ -238,12 +223,6 @@ def private_app(
     return RequestLog(app, listener="private", internal_error=internal_error_body)
 
 
-def _url(host: str, port: int) -> str:
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.getfqdn()  # a wildcard is where we listen, not where anyone reaches us
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 # --- several workers -------------------------------------------------------------------------
 
 
@@ -277,6 +256,7 @@ def _supervise_workers(
     """Start ``opts.workers`` workers, restart any that dies, and stop them all on SIGTERM or
     SIGINT (forwarded as SIGTERM: each finishes its open requests)."""
     from llmgw.logs import get_logger
+    from llmgw.periodic import backoff_delay
 
     log = get_logger("llmgw.gateway")
     # Fork, not spawn: the settings were parsed already, and nothing here runs a thread yet.
@@ -297,7 +277,7 @@ def _supervise_workers(
         return p
 
     workers = [start() for _ in range(opts.workers)]
-    pauses = [_RESTART_PAUSE_S] * opts.workers
+    exits = [0] * opts.workers
     restart_at: list[float | None] = [None] * opts.workers
     while not stopping:
         time.sleep(0.2)
@@ -310,10 +290,11 @@ def _supervise_workers(
                 if p.exitcode == 2:  # a bad configuration: restarting cannot fix it
                     stopping = True
                     break
-                restart_at[i] = now + pauses[i]
+                pause = backoff_delay(exits[i], _RESTART_PAUSE_S, _RESTART_PAUSE_MAX_S)
+                exits[i] += 1
+                restart_at[i] = now + pause
                 log.warning("gateway_worker_exited", pid=p.pid, status=p.exitcode,
-                            restart_in_s=pauses[i])  # fmt: skip
-                pauses[i] = min(pauses[i] * 2, _RESTART_PAUSE_MAX_S)
+                            restart_in_s=pause)  # fmt: skip
             elif now >= when:
                 workers[i], restart_at[i] = start(), None
     for p in workers:

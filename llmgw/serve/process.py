@@ -49,32 +49,15 @@ class Process:
 
 def build_process(cp: ControlPlaneSettings) -> Process:
     """Every shared part, once (ConfigError first if the settings cannot make one)."""
-    from prometheus_client import CollectorRegistry
-
     from llmgw.controlplane.instances import InstanceIdentity, new_instance_id
-    from llmgw.controlplane.internal_app import (
-        ControlPlaneParts,
-        advertise_url,
-        build_reconciler,
-        check_settings,
-    )
+    from llmgw.controlplane.internal_app import advertise_url, build_parts, check_settings
     from llmgw.embedded_postgres import libpq_url
-    from llmgw.kv.shard_views import ShardViews
-    from llmgw.store.database import create_engine, session_factory
     from llmgw.store.notify import NotifyHub
 
     check_settings(cp)
-    engine = create_engine(
-        cp.database_url, pool_size=cp.db_pool_size, connect_timeout_s=cp.db_connect_timeout_s
-    )
-    sessions = session_factory(engine)
-    registry = CollectorRegistry()
     instance = InstanceIdentity(new_instance_id(), advertise_url(cp))
     notify = NotifyHub(libpq_url(cp.database_url), application_name=f"llmgw-notify-{instance.id}")
-    reconciler = build_reconciler(
-        cp, sessions=sessions, registry=registry, instance_id=instance.id, notify=notify
-    )
-    parts = ControlPlaneParts(engine, sessions, registry, instance, ShardViews(), reconciler)
+    parts = build_parts(cp, instance, notify=notify)
     return Process(parts=parts, notify=notify)
 
 
@@ -149,14 +132,7 @@ def run_controlplane(
             host=cp.internal_host,
             port=cp.internal_port,
             setting="controlplane.internal_port",
-            limits=ListenerLimits(
-                listener="internal",
-                max_connections=cp.max_connections,
-                max_header_bytes=cp.max_header_bytes,
-                header_timeout_s=cp.header_timeout_s,
-                connections_setting="controlplane.max_connections",
-                header_bytes_setting="controlplane.max_header_bytes",
-            ),
+            limits=ListenerLimits.of("internal", cp, section="controlplane"),
         ),
     ]
     if public_app is not None:
@@ -227,13 +203,6 @@ def public_listener(settings: Settings, app: ASGIApp, *, reuse_port: bool = Fals
         host=gw.host,
         port=gw.port,
         setting="gateway.port",
-        limits=ListenerLimits(
-            listener="public",
-            max_connections=gw.max_connections,
-            max_header_bytes=gw.max_header_bytes,
-            header_timeout_s=gw.header_timeout_s,
-            connections_setting="gateway.max_connections",
-            header_bytes_setting="gateway.max_header_bytes",
-        ),
+        limits=ListenerLimits.of("public", gw, section="gateway"),
         reuse_port=reuse_port,
     )

@@ -200,7 +200,9 @@ def bind(
             f"the port or set {setting} to another one",
             field=setting,
         ) from None
-    sock.set_inheritable(True)
+    # Not inheritable (Python's default): each gateway worker binds its own socket, and a
+    # listener inherited by an exec'd child (a tokenizer worker) would keep the port open
+    # after this process dies, so clients' connections hang instead of being refused.
     return sock
 
 
@@ -248,6 +250,9 @@ async def serve(
                 lst.app,
                 log_config=None,
                 access_log=False,  # RequestLog writes one line per request, with its id
+                # The client is the TCP peer: uvicorn's default trusts X-Forwarded-For from
+                # 127.0.0.1, which let a local sender name any address to the auth throttle.
+                proxy_headers=False,
                 timeout_graceful_shutdown=max(1, round(grace_s)),
                 lifespan="auto",
                 http=uvicorn_protocol(lim),

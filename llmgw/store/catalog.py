@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.errors import ConflictError, NotFoundError, clip
 from llmgw.store.tables import (
+    ApiKey,
     AuditLog,
     ClusterInfo,
     Deployment,
@@ -62,6 +63,7 @@ __all__ = [
     "list_deployments",
     "list_models",
     "list_profiles",
+    "one_by_name",
     "record_audit",
     "save_row",
 ]
@@ -74,27 +76,40 @@ CHANGE_CHANNEL = "llmgw_desired_changed"
 ROUTES_CHANNEL = "llmgw_routes_changed"
 
 _Row = TypeVar("_Row", Model, Profile, Deployment, Node, GpuClass)
+_Named = TypeVar("_Named", Model, Profile, Deployment, GpuClass, ApiKey)
 
 
-async def _one_by_name(
+async def one_by_name(
     session: AsyncSession,
-    cls: type[_Row],
-    kind: str,
+    cls: type[_Named],
     name: str,
     *,
+    missing: str,
     lock: bool = False,
     field: str = "name",
-) -> _Row:
+) -> _Named:
+    """The row of ``cls`` named ``name`` (``FOR UPDATE`` with ``lock``); if none is,
+    NotFoundError(``missing``) blaming ``field``. The one get-by-name of every named table."""
     stmt = select(cls).where(cls.name == name)
     if lock:
         stmt = stmt.with_for_update()
     row = (await session.execute(stmt)).scalar_one_or_none()
     if row is None:
-        raise NotFoundError(
-            f"{kind} {clip(name)!r} does not exist; list them with GET /admin/v1/{kind}s",
-            field=field,
-        )
+        raise NotFoundError(missing, field=field)
     return row
+
+
+async def _one_by_name(
+    session: AsyncSession,
+    cls: type[_Named],
+    kind: str,
+    name: str,
+    *,
+    lock: bool = False,
+    field: str = "name",
+) -> _Named:
+    missing = f"{kind} {clip(name)!r} does not exist; list them with GET /admin/v1/{kind}s"
+    return await one_by_name(session, cls, name, missing=missing, lock=lock, field=field)
 
 
 async def get_model(

@@ -1,7 +1,7 @@
 """Connections to the state store: one async engine per process, sessions per request.
 
-The caller owns the transaction (``async with session.begin():``); functions in
-``queries.py`` flush but never commit, so a rolled-back request leaves nothing
+The caller owns the transaction (``async with session.begin():``); the store's functions
+(one module per subject) flush but never commit, so a rolled-back request leaves nothing
 behind and side effects (NOTIFY, cache updates) follow the commit.
 """
 

@@ -21,6 +21,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.errors import ConflictError, NotFoundError, SpecError
+from llmgw.store.catalog import one_by_name
 from llmgw.store.tables import (
     Deployment,
     DeploymentStatus,
@@ -290,16 +291,8 @@ async def gpu_class_exists(session: AsyncSession, name: str) -> bool:
 
 
 async def get_gpu_class(session: AsyncSession, name: str, *, lock: bool = False) -> GpuClass:
-    stmt = select(GpuClass).where(GpuClass.name == name)
-    if lock:
-        stmt = stmt.with_for_update()
-    row = (await session.execute(stmt)).scalar_one_or_none()
-    if row is None:
-        raise NotFoundError(
-            f"GPU class {name!r} does not exist; list them with GET /admin/v1/gpu-classes",
-            field="name",
-        )
-    return row
+    missing = f"GPU class {name!r} does not exist; list them with GET /admin/v1/gpu-classes"
+    return await one_by_name(session, GpuClass, name, missing=missing, lock=lock)
 
 
 async def delete_gpu_class(session: AsyncSession, name: str) -> GpuClass:

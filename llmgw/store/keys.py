@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from llmgw.errors import NotFoundError
+from llmgw.store.catalog import one_by_name
 from llmgw.store.tables import ApiKey
 
 __all__ = [
@@ -45,16 +45,8 @@ async def live_keys(session: AsyncSession) -> Sequence[ApiKey]:
 
 async def get_key(session: AsyncSession, name: str, *, lock: bool = False) -> ApiKey:
     """The key named ``name`` (``FOR UPDATE`` with ``lock``); NotFoundError if none is."""
-    stmt = select(ApiKey).where(ApiKey.name == name)
-    if lock:
-        stmt = stmt.with_for_update()
-    row = (await session.scalars(stmt)).one_or_none()
-    if row is None:
-        raise NotFoundError(
-            f"no API key is named {name!r}; list them with GET /admin/v1/keys (`llmgw keys list`)",
-            field="name",
-        )
-    return row
+    missing = f"no API key is named {name!r}; list them with GET /admin/v1/keys (`llmgw keys list`)"
+    return await one_by_name(session, ApiKey, name, missing=missing, lock=lock)
 
 
 async def key_name_taken(session: AsyncSession, name: str) -> bool:

@@ -28,6 +28,7 @@ from psycopg import sql
 
 from llmgw.eventloop import cancel_and_wait
 from llmgw.logs import get_logger
+from llmgw.periodic import backoff_delay
 from llmgw.store.dedicated import connect_dedicated
 
 __all__ = ["NotifyHub", "Subscription"]
@@ -136,7 +137,7 @@ class NotifyHub:
                 self.listening.clear()
                 for sub in self._subs:
                     sub.listening.clear()
-            await asyncio.sleep(min(self._backoff_max_s, self._backoff_base_s * 2**failures))
+            await asyncio.sleep(backoff_delay(failures, self._backoff_base_s, self._backoff_max_s))
 
     async def _serve(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """LISTEN what is subscribed and dispatch notifications; when a subscription comes in,

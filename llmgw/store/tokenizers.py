@@ -66,15 +66,17 @@ async def store_model_tokenizer(
     digest: str,
     files: Mapping[str, bytes],
     source: str,
+    shas: Mapping[str, str] | None = None,
 ) -> bool:
     """Store the files (those not held yet) and make them ``model``'s set; True when the set
-    changed (and the gateways were told)."""
+    changed (and the gateways were told). ``shas``: each file's SHA-256 where the caller has
+    them (hashing 64 MB here would hold the event loop)."""
     current = await session.get(ModelTokenizer, model, with_for_update=True)
     if current is not None and current.digest == digest:
         return False
     names: dict[str, str] = {}
     for name, data in sorted(files.items()):
-        sha = hashlib.sha256(data).hexdigest()
+        sha = shas[name] if shas is not None else hashlib.sha256(data).hexdigest()
         names[name] = sha
         await session.execute(
             insert(TokenizerFile)

@@ -6,11 +6,13 @@ other listeners on it) from a 4.5M-character render; a process does, and it can 
 
 - ``load(digest, files)``: every worker holds the tokenizer from then on (a worker started
   later loads it before it takes a call); the first load's outcome is the answer (None, or
-  why the files are unusable: a set that fails once is not tried again, the digest names it).
+  why the files are unusable: a set that fails once is not tried again, the digest names it);
+  ``drop(digest)``: every worker lets it go when next idle.
 - ``call(request, digest=..., wait_s=..., deadline_s=...)``: one request on an idle worker that
   holds ``digest``; the caller waits at most ``wait_s`` (then "timeout": it goes on without
   the answer) while the worker may go on to ``deadline_s``, past which it is killed and
-  replaced ("deadline"; a worker that dies is replaced too: "crashed"). The work of an
+  replaced ("deadline"; a worker that dies in a call is replaced too: "crashed", and one that
+  dies idle at once). The work of an
   abandoned call is not wasted: its pieces stay in the worker's segment cache. More than
   ``max_waiting`` callers waiting for a worker: "busy", at once.
 - Workers start on the first ``load`` or ``call``, never before: a process without tokenizer
@@ -34,7 +36,14 @@ from pathlib import Path
 from typing import Any, Final
 
 from llmgw.logs import get_logger
-from llmgw.tokenizing.protocol import HEADER_BYTES, decode, encode, frame, frame_length
+from llmgw.tokenizing.protocol import (
+    HEADER_BYTES,
+    MAX_FRAME_BYTES,
+    decode,
+    encode,
+    frame,
+    frame_length,
+)
 
 __all__ = ["WorkerPool"]
 
@@ -97,15 +106,20 @@ class WorkerPool:
             outcome = self._outcomes[digest] = asyncio.get_running_loop().create_future()
             self._wanted[digest] = files
             self._ensure_started()
-            for proc in self._procs:
-                if proc is not None and not proc.busy and not proc.dead:
-                    self._release(proc)  # idle: it loads now
+            self._release_idle()  # an idle worker loads now
         return await asyncio.shield(outcome)
 
     def drop(self, digest: str) -> None:
-        """The tokenizer is no longer wanted (workers drop it when next idle or restarted)."""
+        """The tokenizer is no longer wanted: every worker drops it when next idle (its memory
+        and its share of the worker's address-space cap)."""
         self._wanted.pop(digest, None)
         self._outcomes.pop(digest, None)
+        self._release_idle()
+
+    def _release_idle(self) -> None:
+        for proc in self._procs:
+            if proc is not None and not proc.busy and not proc.dead:
+                self._release(proc)
 
     def holds(self, digest: str) -> bool:
         outcome = self._outcomes.get(digest)
@@ -124,13 +138,17 @@ class WorkerPool:
     ) -> dict[str, Any] | str:
         """The worker's reply, or why none: "busy", "timeout" (not within ``wait_s``; the
         worker may go on), "deadline" (killed past ``deadline_s``), "crashed", "unencodable"
-        (a value msgpack cannot carry), "closed". ``on_done``: told the run's outcome when it
-        ends, whether or not the caller still waits (a call it abandoned may still fail)."""
+        (a value msgpack cannot carry, a request over the frame cap), "closed". ``on_done``:
+        told the run's outcome when it ends, whether or not the caller still waits (a call it
+        abandoned may still fail)."""
         if self._closed:
             return "closed"
         try:
             payload = frame(encode(request))
         except (TypeError, OverflowError, ValueError):
+            return "unencodable"
+        if len(payload) > HEADER_BYTES + MAX_FRAME_BYTES:
+            # The worker would refuse the frame by dying: refused here, nobody's failure.
             return "unencodable"
         started = time.monotonic()
         proc = self._idle_with(digest)
@@ -179,13 +197,6 @@ class WorkerPool:
 
     async def _run(self, proc: _Proc, payload: bytes, deadline_s: float) -> dict[str, Any] | str:
         got = await self._exchange(proc, payload, deadline_s)
-        if (
-            isinstance(got, dict)
-            and got.get("kind") == "failed"
-            and str(got.get("error", "")).startswith("MemoryError")
-        ):
-            self._replace(proc, "it ran out of memory")  # it exits after this reply
-            return got
         if not proc.dead:
             self._release(proc)
         return got
@@ -201,7 +212,7 @@ class WorkerPool:
                 await stdin.drain()
                 header = await stdout.readexactly(HEADER_BYTES)
                 body = await stdout.readexactly(frame_length(header))
-            return decode(body)
+            got = decode(body)
         except TimeoutError:
             self.kills += 1
             self._replace(proc, f"a call ran past its deadline of {deadline_s:g} s")
@@ -210,6 +221,10 @@ class WorkerPool:
             self.crashes += 1
             self._replace(proc, f"it died ({type(exc).__name__})")
             return "crashed"
+        if got.get("kind") == "failed" and str(got.get("error", "")).startswith("MemoryError"):
+            # It exits after this reply (a call's or a load's): replaced before it is reused.
+            self._replace(proc, "it ran out of memory")
+        return got
 
     def _release(self, proc: _Proc) -> None:
         """The worker is free: it loads what it lacks first, then takes the first waiter that
@@ -218,8 +233,11 @@ class WorkerPool:
             return
         proc.busy = True
         missing = [d for d in self._wanted if d not in proc.held]
-        if missing:
-            self._spawn_task(self._load_into(proc, missing))
+        # Dropped (``drop``); a digest whose load failed elsewhere keeps its outcome, and
+        # the worker that holds it keeps serving it.
+        stale = [d for d in proc.held if d not in self._outcomes]
+        if missing or stale:
+            self._spawn_task(self._load_into(proc, missing, stale))
             return
         for digest, waiter in list(self._waiters):
             if not waiter.done() and (digest is None or digest in proc.held):
@@ -228,7 +246,14 @@ class WorkerPool:
                 return
         proc.busy = False
 
-    async def _load_into(self, proc: _Proc, digests: list[str]) -> None:
+    async def _load_into(self, proc: _Proc, digests: list[str], stale: list[str]) -> None:
+        """The worker drops ``stale`` and loads ``digests``, then is free."""
+        for digest in stale:
+            drop = frame(encode({"op": "drop", "digest": digest}))
+            await self._exchange(proc, drop, self._load_deadline_s)
+            if proc.dead:
+                return
+            proc.held.discard(digest)
         for digest in digests:
             files = self._wanted.get(digest)
             if files is None:
@@ -304,6 +329,11 @@ class WorkerPool:
         while chunk := await stream.read(65536):
             proc.stderr += chunk
             del proc.stderr[:-_STDERR_TAIL]
+        # Its stderr closed: it exited. One that died idle (the OOM killer, a signal) is
+        # replaced now, not found dead by the next call (a busy one's exchange says so).
+        if not proc.busy and not proc.dead:
+            self.crashes += 1
+            self._replace(proc, "it exited while idle")
 
     def _replace(self, proc: _Proc, why: str) -> None:
         if proc.dead:

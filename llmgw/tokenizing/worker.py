@@ -3,8 +3,8 @@
 It reads requests from stdin and writes replies to stdout, one frame each (``protocol``), one
 at a time, and holds the tokenizers it was sent by their files' digest. Every render is within
 ``kv.template_budget`` (steps, characters), and the process's address space is capped (the
-soft ``RLIMIT_AS``: a base plus 16 times the tokenizer files it holds, what a loaded
-tokenizer.json takes at most), so what the budget misses ends in a ``MemoryError`` here, never
+soft ``RLIMIT_AS``: a base plus 16 times the most tokenizer files it held at once, what a
+loaded tokenizer.json takes at most), so what the budget misses ends in a ``MemoryError`` here, never
 in the OOM killer's choice. The parent bounds the time (``pool``: a call past its deadline has
 this process killed).
 
@@ -23,7 +23,12 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO, Final
 
 from llmgw.errors import SpecError, clip
-from llmgw.kv.hf_tokenizer import HfTokenizer, TokenizerFiles, TokenizerFilesError
+from llmgw.kv.hf_tokenizer import (
+    DEFAULT_MAX_RENDERED_CHARS,
+    HfTokenizer,
+    TokenizerFiles,
+    TokenizerFilesError,
+)
 from llmgw.kv.template_budget import TemplateBudgetError
 from llmgw.tokenizing.protocol import HEADER_BYTES, decode, encode, frame, frame_length
 
@@ -56,6 +61,7 @@ class Worker:
         self._held: dict[str, HfTokenizer] = {}
         self._sizes: dict[str, int] = {}
         self._memory_base = memory_base
+        self._cap = 0
         self.exit_after_reply = False
 
     def _cap_memory(self, extra: int = 0) -> None:
@@ -64,7 +70,10 @@ class Worker:
         import resource
 
         held = sum(self._sizes.values()) + extra
-        soft = self._memory_base + _MEMORY_PER_FILE_BYTE * held
+        # Never lowered: what a dropped (or failed) tokenizer held may stay in the address
+        # space, and a cap under the space in use fails the next allocation; the next load
+        # reuses that room. The cap is the base plus the most ever held at once.
+        soft = self._cap = max(self._cap, self._memory_base + _MEMORY_PER_FILE_BYTE * held)
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         if hard != resource.RLIM_INFINITY:
             soft = min(soft, hard)
@@ -101,16 +110,19 @@ class Worker:
             raise TokenizerFilesError("no files")
         return TokenizerFiles({str(k): bytes(v) for k, v in raw.items()})
 
+    def _loaded(self, request: Mapping[str, Any]) -> tuple[HfTokenizer, int]:
+        """The request's files as a tokenizer, and their size: the cap raised for them first."""
+        files = self._files(request)
+        size = sum(len(v) for v in files.files.values())
+        self._cap_memory(size)
+        return HfTokenizer(files), size
+
     def _load(self, request: Mapping[str, Any]) -> dict[str, Any]:
         try:
-            files = self._files(request)
-            size = sum(len(v) for v in files.files.values())
-            self._cap_memory(size)
-            tokenizer = HfTokenizer(files)
+            tokenizer, size = self._loaded(request)
         except TokenizerFilesError as exc:
-            self._cap_memory()
             return _failed("files", exc.message)
-        digest = str(request.get("digest") or files.digest)
+        digest = str(request.get("digest") or tokenizer.digest)
         self._held[digest] = tokenizer
         self._sizes[digest] = size
         return {"ok": True, "segment_cached": tokenizer.segment_cached}
@@ -122,20 +134,17 @@ class Worker:
         body = request.get("body")
         if not isinstance(body, dict):
             return _failed("unsupported", "no body")
-        max_chars = int(request.get("max_chars") or 0) or None
+        max_chars = int(request.get("max_chars") or 0) or DEFAULT_MAX_RENDERED_CHARS
         try:
-            if max_chars is None:
-                rendered = tokenizer.render_request(body, chat=bool(request.get("chat")))
-            else:
-                rendered = tokenizer.render_request(
-                    body, chat=bool(request.get("chat")), max_chars=max_chars
-                )
+            rendered = tokenizer.render_request(
+                body, chat=bool(request.get("chat")), max_chars=max_chars
+            )
         except TemplateBudgetError as exc:
             kind = "too_long" if exc.what == "output" else "failed"
             return _failed(kind, f"TemplateBudgetError: {exc.message}")
-        except (SpecError, ValueError, TypeError, RecursionError) as exc:
-            # The body's shape (a content the template cannot add, a deep value): the engine
-            # refuses it too, and says why.
+        except (SpecError, RecursionError) as exc:
+            # The body's (a content the template cannot add, a deep value: the renderer's
+            # SpecError): the engine refuses it too, and says why.
             return _failed("refused", exc)
         if rendered is None:
             return _failed("unsupported", "a body this cannot tokenize")
@@ -146,27 +155,22 @@ class Worker:
     def _check(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Load the files and try them as a gateway would, keeping nothing."""
         try:
-            files = self._files(request)
-            self._cap_memory(sum(len(v) for v in files.files.values()))
-            tokenizer = HfTokenizer(files)
+            tokenizer, _ = self._loaded(request)
         except TokenizerFilesError as exc:
             return _failed("files", exc.message)
         max_chars = int(request.get("max_chars") or 1_000_000)
-        try:
-            texts = [_SAMPLE_TEXT]
-            if tokenizer.has_chat_template:
-                for chat in _SAMPLE_CHATS:
-                    try:
-                        texts.append(tokenizer.render_chat(chat, max_chars=max_chars))
-                    except TemplateBudgetError as exc:
-                        return _failed("failed", f"the chat template: {exc.message}")
-                    except SpecError:
-                        continue  # refused as the engine would (a system role it has not)
-            for text in texts:
-                for special in (False, True):
-                    tokenizer.encode(text, add_special_tokens=special)
-        finally:
-            self._cap_memory()
+        texts = [_SAMPLE_TEXT]
+        if tokenizer.has_chat_template:
+            for chat in _SAMPLE_CHATS:
+                try:
+                    texts.append(tokenizer.render_chat(chat, max_chars=max_chars))
+                except TemplateBudgetError as exc:
+                    return _failed("failed", f"the chat template: {exc.message}")
+                except SpecError:
+                    continue  # refused as the engine would (a system role it has not)
+        for text in texts:
+            for special in (False, True):
+                tokenizer.encode(text, add_special_tokens=special)
         return {"ok": True, "segment_cached": tokenizer.segment_cached}
 
 

@@ -401,7 +401,7 @@ def announcement(
             if models
             else _list_models(base_url, api_key)
         )
-        + "\nPress Ctrl-C to stop (engines, agent, control plane, then Postgres).\n"
+        + "\nPress Ctrl-C to stop (engines, agent, gateway, control plane, then Postgres).\n"
     )
 
 

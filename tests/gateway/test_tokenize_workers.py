@@ -3,7 +3,9 @@ the event loop is not held by a huge render or encode (finding 1), each kind of 
 failure is a reply that falls back to a replica's /tokenize instead of a 500 (finding 3: a
 Rust panic, an ``Exception`` from a WordLevel tokenizer without its unk token, a
 ``ZeroDivisionError`` in a template, ``MemoryError``), a tokenizer that keeps failing is turned
-off with its reason, a worker past its deadline is killed and replaced, and a prompt that
+off with its reason, a worker past its deadline is killed and replaced (one that dies idle at
+once), files replaced are let go by the workers, a request over the frame cap is never sent,
+and a prompt that
 renders over the cap or tokenizes past the model's context length is refused with a 400
 naming the limit."""
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import statistics
 import time
 from collections.abc import Mapping
@@ -109,6 +113,10 @@ def test_every_failure_is_a_reply_naming_it() -> None:
     refuses = _with_template("{{ raise_exception('no system role') }}")
     got = _tokenize(_worker_with(refuses), SMALL_CHAT, chat=True)
     assert got["kind"] == "refused" and "no system role" in got["error"]
+    # A null content the template concatenates: the body's fault (the engine's 400 too).
+    null = {"messages": [{"role": "user", "content": None}]}
+    got = _tokenize(_worker_with(TINY), null, chat=True)
+    assert got["kind"] == "refused" and "messages" in got["error"]
     # MemoryError: a reply, then the worker exits (its heap may be in any state).
     worker = _worker_with(TINY)
     held: HfTokenizer = worker._held["d"]
@@ -242,7 +250,7 @@ async def test_a_worker_past_its_deadline_is_killed_and_replaced() -> None:
         # 0.3 s, and the request has its answer by then (it waits its deadline at most).
         got = await local.tokenize("m", {"prompt": "word " * 600_000}, chat=False, chars=3_000_000)
         assert got in ("timeout", "failed")
-        await asyncio.sleep(0.5)
+        await until(lambda: pool.kills, timeout_s=5, what="the worker past its deadline killed")
         assert pool.kills == 1
 
         await until(
@@ -257,6 +265,68 @@ async def test_a_worker_past_its_deadline_is_killed_and_replaced() -> None:
             if isinstance(got, tuple):
                 break
             await asyncio.sleep(0.05)
+        assert isinstance(got, tuple)
+    finally:
+        local.close()
+
+
+async def test_a_request_over_the_frame_cap_is_refused_before_any_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llmgw.tokenizing import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "MAX_FRAME_BYTES", 1000)
+    pool = pool_module.WorkerPool(workers=1, deadline_s=1.0)
+    try:
+        got = await pool.call({"op": "ping", "pad": "x" * 2000}, digest=None, wait_s=1.0)
+        # Not sent: the worker would die on it, and the death count against the files.
+        assert got == "unencodable" and pool.pids() == [] and pool.crashes == 0
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.e2e
+async def test_a_worker_that_dies_idle_is_replaced_before_the_next_call() -> None:
+    local = LocalTokenizers(workers=1, timeout_s=5.0, verify_first=0, failing_after=1)
+    try:
+        await _loaded(local, TINY)
+        pool = local.pool
+        (before,) = pool.pids()
+        os.kill(before, signal.SIGKILL)  # the OOM killer's way: no reply, no exit of its own
+        await until(
+            lambda: bool(pool.pids()) and pool.pids()[0] != before,
+            timeout_s=20,
+            what="a new worker started in its place",
+            interval_s=0.02,
+        )
+        assert pool.crashes == 1
+        # The next call waits for the replacement (it loads the files first), never meets the
+        # dead one; nothing counted against the files.
+        got = await local.tokenize("m", SMALL_CHAT, chat=True, chars=30)
+        assert isinstance(got, tuple)
+        assert local.mode("m") == "local" and local.failing("m") is None
+    finally:
+        local.close()
+
+
+@pytest.mark.e2e
+async def test_files_replaced_are_dropped_by_the_workers() -> None:
+    local = LocalTokenizers(workers=2, timeout_s=5.0, verify_first=0)
+    try:
+        await _loaded(local, TINY)
+        newer = _with_template("{{ messages | length }}")
+        local.sync({"m": newer})
+        await local.settled()
+        assert local.digest("m") == newer.digest and local.mode("m") == "local"
+        # The old set is let go by every worker (its memory, its share of the cap), not held
+        # until a restart: a gateway up for months sees many sets.
+        procs = [p for p in local.pool._procs if p is not None]
+        await until(
+            lambda: all(p.held == {newer.digest} and not p.busy for p in procs),
+            timeout_s=20,
+            what="the workers hold the new set alone",
+        )
+        got = await local.tokenize("m", SMALL_CHAT, chat=True, chars=30)
         assert isinstance(got, tuple)
     finally:
         local.close()

@@ -56,6 +56,7 @@ def test_the_table_reads_why_a_wake_cannot_succeed() -> None:
         "complete: 0 of 0 replicas ready",
         "0 of 1 replicas updated, 0 ready",  # starting: it may yet succeed
         f"{UNPLACEABLE}; waiting for draining replicas to free their GPUs",
+        f"{UNPLACEABLE}; waiting for stopping replicas to free their GPUs",
     ],
 )
 def test_a_wake_that_may_succeed_blocks_nothing(reason: str) -> None:

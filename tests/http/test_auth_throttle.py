@@ -70,6 +70,14 @@ def _bearer(token: str) -> dict[str, str]:
 async def test_wrong_bearer_tokens_then_429_even_for_the_right_one_then_recovery() -> None:
     clock = Clock()
     throttle = _throttle(clock)
+    with capture_logs() as logs:
+        await _guess_then_recover(clock, throttle)
+    # Neither the secret nor a guess reaches a log line, the throttle's warning included.
+    assert any(e["event"] == "auth_failures_throttled" for e in logs)
+    assert TOKEN not in repr(logs) and "guess-" not in repr(logs)
+
+
+async def _guess_then_recover(clock: Clock, throttle: AuthThrottle) -> None:
     async with _client(_admin_app(throttle)) as c:
         assert (await c.get("/admin/v1/ping", headers=_bearer(TOKEN))).status_code == 200
         statuses = [
@@ -149,6 +157,21 @@ def test_tracked_clients_are_bounded_least_recently_seen_first() -> None:
         throttle.record_failure(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
     assert len(throttle) == 50
     assert "operator" in throttle._clients and throttle._clients["operator"].known
+
+
+def test_churned_addresses_do_not_evict_a_known_client() -> None:
+    # The operator, not seen while a guesser churns addresses and spends the global budget,
+    # is still known afterwards: the global budget does not lock it out.
+    clock = Clock()
+    throttle = _throttle(clock, max_clients=50, global_burst=10_000, global_rate_per_s=1)
+    throttle.succeeded("operator")
+    for i in range(10_000):
+        throttle.record_failure(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    assert len(throttle) == 50
+    assert throttle.refused("10.9.9.9") is not None  # the global budget is spent
+    assert throttle.refused("operator") is None
+    # The newest failure is tracked, not evicted in the operator's place.
+    assert "10.0.39.15" in throttle._clients
 
 
 def test_it_logs_once_when_a_client_crosses_its_budget() -> None:

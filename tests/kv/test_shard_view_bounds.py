@@ -47,6 +47,8 @@ def _delta(base: int, n: int) -> KvDeltaRequest:
         ({"engine": "sim", "args": []}, SIM_DEFAULT_BLOCKS),
         ({"engine": "sim", "args": ["--num-blocks", "900"]}, 900),
         ({"engine": "vllm", "args": ["--num-gpu-blocks-override=5000"]}, 5000),
+        # Read as the engine's parser reads it: vLLM's underscore spelling too.
+        ({"engine": "vllm", "args": ["--num_gpu_blocks_override", "70"]}, 70),
         ({"engine": "vllm", "args": ["--max-num-seqs", "8"]}, None),  # sized from GPU memory
         ({"engine": "sglang", "args": ["--max-total-tokens", "1000"], "kv_hash": {"block_size": 16}}, 63),
         ({"engine": "llamacpp"}, None),

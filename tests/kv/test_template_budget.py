@@ -2,7 +2,9 @@
 hardening issue's finding 2 (two and three nested range(15000) loops, 'x' * 4e9,
 tojson(indent=1e9), strftime_now('%Y' * 2e8)) and their cousins fail fast with an error naming
 what ran out, before they allocate; an ordinary template renders exactly as jinja2's plain
-sandbox renders it; the output cap is the caller's "too long", the rest the template's."""
+sandbox renders it; the output cap is the caller's "too long", the rest the template's; a
+template that fails on a value of the messages (a null content) is the caller's error, as vLLM
+answers it (400), never a 500."""
 
 from __future__ import annotations
 
@@ -97,6 +99,22 @@ def test_the_output_cap_is_the_rendered_text_not_the_request_text() -> None:
     assert len(tok.render_chat(chat[:30_000], max_chars=1_000_000)) > 800_000
     with pytest.raises(TemplateBudgetError, match="prompt is 2000 characters"):
         tok.render_request({"prompt": "x" * 2000}, chat=False, max_chars=1000)
+
+
+def test_a_template_failing_on_the_messages_values_is_the_callers_error() -> None:
+    # The tiny model's template concatenates the content: a null one is a TypeError.
+    with pytest.raises(SpecError) as caught:
+        HfTokenizer(TINY).render_chat([{"role": "user", "content": None}])
+    assert caught.value.field == "messages" and "TypeError" in caught.value.message
+    assert type(caught.value) is SpecError  # the body's fault, not the template's budget
+    with pytest.raises(SpecError, match="ValueError") as caught:
+        _tokenizer("{{ messages[0].content.index('zzz') }}").render_chat(CHAT)
+    assert caught.value.field == "messages"
+    # Through render_request too, as the simulator and the workers call it.
+    with pytest.raises(SpecError, match="messages"):
+        HfTokenizer(TINY).render_request(
+            {"messages": [{"role": "user", "content": None}]}, chat=True
+        )
 
 
 TEMPLATES = [

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from llmgw.planner.actions import CreateReplica, SetShardsDesiredState, StopReplica
+from llmgw.planner.actions import (
+    CreateReplica,
+    SetShardsDesiredState,
+    StopReplica,
+    UpdateRolloutStatus,
+)
 from llmgw.planner.autoscale import AutoscalePolicy
 from llmgw.planner.status import status_actions
 from tests.planner.planner_testkit import (
@@ -80,3 +85,18 @@ def test_a_deployment_without_a_policy_still_resumes_everything() -> None:
         isinstance(a, SetShardsDesiredState) and a.reason == "deployment resumed"
         for a in plan.actions
     )
+
+
+def test_a_wake_while_the_stopped_replicas_still_hold_the_gpus_says_they_free_themselves() -> None:
+    # One GPU: the replica scaled away still holds it (state stopping) until its agent
+    # reports it gone, so the woken replica cannot be placed yet; the status must say that
+    # this frees itself (the gateways hold requests on it instead of refusing them).
+    d = deployment("d", 1, autoscale=POLICY, warm_replicas=0)
+    snap, now, _ = run_until_settled(snapshot([d], [node("n1", 1)]), T0)
+    suspended, _ = step(_with(snap, 0, 1), now)
+    stopping, _ = step(_with(suspended, 0, 0), now)
+    assert [r.state for r in stopping.replicas] == ["stopping"]
+    _, wake = step(_with(stopping, 1, 1), now)
+    (status,) = [a.status for a in wake.actions if isinstance(a, UpdateRolloutStatus)]
+    assert "cannot place a replica" in status.reason, status.reason
+    assert "waiting for stopping replicas to free their GPUs" in status.reason

@@ -4,6 +4,9 @@ own families are left to the control plane's registry."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -18,6 +21,8 @@ llmgw_prefix_tokenizer_mode{model="demo",mode="local"} 1
 # TYPE llmgw_agent_kv_requests_total counter
 llmgw_agent_kv_requests_total{result="ack"} 5
 """
+
+CAP = 64 << 10
 
 
 def test_workers_are_summed_facts_are_not_and_agent_families_stay_out() -> None:
@@ -40,3 +45,42 @@ def test_workers_are_summed_facts_are_not_and_agent_families_stay_out() -> None:
     assert samples[("llmgw_prefix_tokenizer_mode", (("mode", "local"), ("model", "demo")))] == 1
     assert "llmgw_agent_kv_requests" not in text
     assert merge([]) == []
+
+
+async def test_read_takes_gateways_only_and_skips_one_past_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import httpx
+
+    from llmgw.protocol.sync import ControlPlaneInstance
+    from llmgw.serve import gateway_metrics
+
+    monkeypatch.setattr(gateway_metrics, "_MAX_BYTES", CAP)
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        if request.url.host == "big":  # past the cap, with no Content-Length
+
+            async def chunks() -> AsyncIterator[bytes]:  # samples, then comment lines
+                yield (WORKER % 100).encode()
+                for _ in range(CAP >> 10):
+                    yield b"#" * 1023 + b"\n"
+
+            return httpx.Response(200, content=chunks())
+        return httpx.Response(200, text=WORKER % 2)
+
+    instances = [
+        ControlPlaneInstance(id="gateway-a", internal_url="http://a"),
+        ControlPlaneInstance(id="gateway-b", internal_url="http://big"),
+        ControlPlaneInstance(id="cp-1", internal_url="http://cp"),
+    ]
+    reader = gateway_metrics.GatewayMetrics(lambda: instances)
+    reader._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    try:
+        await reader.read()
+    finally:
+        await reader.stop()
+    assert sorted(asked) == ["a", "big"]
+    names = {s.name: s.value for f in reader.collect() for s in f.samples}
+    assert names["llmgw_prefix_decisions_total"] == 2

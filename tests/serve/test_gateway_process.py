@@ -35,6 +35,7 @@ from tests.controlplane.agentapi.agentapi_testkit import (
     running_agent_api,
 )
 from tests.support.procs import free_port
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,6 +52,17 @@ def test_workers_share_one_public_port_through_so_reuseport() -> None:
             bind("127.0.0.1", port, listener="public", setting="gateway.port").close()
     finally:
         first.close()
+
+
+def test_a_listener_is_not_inherited_by_the_processes_it_starts() -> None:
+    # A tokenizer worker exec'd by the gateway must not hold the listener: it outlives a
+    # gateway killed with -9 by a moment, and clients' keep-alive and new connections to the
+    # dead gateway then hang or reset instead of being refused (the fault suite saw it).
+    sock = bind("127.0.0.1", 0, listener="public", setting="gateway.port", reuse_port=True)
+    try:
+        assert not sock.get_inheritable()
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize(
@@ -89,9 +101,12 @@ async def test_the_private_listener_takes_kv_deltas_and_is_listed_to_agents(db_u
         )
         task = asyncio.create_task(server.serve())
         try:
-            while not server.started:
+
+            def started() -> bool:
                 assert not task.done(), "the private listener stopped before it started"
-                await asyncio.sleep(0.02)
+                return bool(server.started)
+
+            await until(started, timeout_s=20, what="the private listener to start")
             # The control plane lists the gateway's row to agents: they relay to it.
             live = await cp.api.instances.beat()
             assert identity.internal_url in {i.internal_url for i in live}

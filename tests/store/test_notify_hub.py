@@ -7,13 +7,10 @@ process holds exactly one LISTEN connection for its gateway caches and its recon
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
-import subprocess
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -21,10 +18,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from llmgw.embedded_postgres import libpq_url
+from llmgw.store import notify
+from llmgw.store.dedicated import connect_dedicated
 from llmgw.store.notify import NotifyHub, Subscription
+from tests.controlplane.admin.admin_testkit import running_controlplane
 from tests.pg_harness import PgServer
-from tests.support.procs import free_port, llmgw_cmd, stop_process, wait_http_ok
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,13 +45,6 @@ def _listen_connections(db_url: str) -> list[str]:
             (name,),
         ).fetchall()
     return sorted(str(r[0]) for r in rows)
-
-
-async def until(condition: Callable[[], object], *, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def _leader(db_url: str) -> str:
@@ -116,8 +108,16 @@ async def test_one_connection_fans_each_channel_out_to_its_subscribers(db_url: s
 
 
 async def test_a_reconnect_reruns_every_on_connect_and_logs_the_outage_once(
-    db_url: str, pg_server: PgServer
+    db_url: str, pg_server: PgServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    attempts = 0
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return await connect_dedicated(*args, **kwargs)
+
+    monkeypatch.setattr(notify, "connect_dedicated", counted)
     hub = NotifyHub(libpq_url(db_url), application_name="llmgw-test-outage", backoff_base_s=0.05)
     one, two = _Calls(), _Calls()
     subs = [
@@ -134,8 +134,10 @@ async def test_a_reconnect_reruns_every_on_connect_and_logs_the_outage_once(
                 await until(lambda: not hub.listening.is_set(), timeout_s=10,
                             what="the connection to drop")  # fmt: skip
                 assert not any(sub.listening.is_set() for sub in subs)
-                # Long enough for several failed reconnects (0.1, 0.2, 0.4 s, ...).
-                await asyncio.sleep(1.5)
+                # Several failed reconnects: none of them tells an owner it is connected.
+                tried = attempts
+                await until(lambda: attempts >= tried + 3, timeout_s=10,
+                            what="three failed reconnects")  # fmt: skip
                 assert (one.counts["connect"], two.counts["connect"]) == (1, 1)
             await asyncio.wait_for(hub.listening.wait(), 10)
         # Back: every owner is told, so it re-reads what changed while nobody listened.
@@ -154,28 +156,8 @@ def test_a_controlplane_process_holds_one_listen_connection(
 ) -> None:
     """The gateway's key, route and tokenizer-file caches and the reconciler each used to open
     a LISTEN connection of their own (four per process); now they share the process's hub."""
-    db = pg_server.new_name("notify")
-    db_url = pg_server.create_database(db, template=_pg_template)
-    port, public_port = free_port(), free_port()
-    token = secrets.token_urlsafe(24)
-    log = tmp_path / "controlplane.log"
-    env = dict(os.environ)
-    env.update(
-        LLMGW_CONTROLPLANE__DATABASE_URL=db_url,
-        LLMGW_CONTROLPLANE__ADMIN_TOKEN=token,
-        LLMGW_CONTROLPLANE__RECONCILE__ENABLED="true",
-        LLMGW_LOG__JSON="true",
-    )
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            llmgw_cmd("controlplane", "--port", str(port), "--public-port", str(public_port)),
-            env=env,
-            stdout=out,
-            stderr=out,
-        )
-    try:
-        url, public = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{public_port}"
-        wait_http_ok(f"{url}/readyz", timeout_s=30, proc=proc, log=log)
+    with running_controlplane(pg_server, _pg_template, tmp_path, reconcile=True) as cp:
+        url, public, db_url = cp.url, cp.public_url, cp.db_url
         # The public listener answers once its lifespan started the gateway's caches.
         wait_for(lambda: httpx.get(f"{public}/v1/models", timeout=2).status_code == 401,
                  timeout_s=30, what="the public listener")  # fmt: skip
@@ -185,8 +167,9 @@ def test_a_controlplane_process_holds_one_listen_connection(
         assert len(listening) == 1 and listening[0].startswith("llmgw-notify-"), listening
         # The caches are served by that connection: a key made now authenticates at once
         # (the key cache's period is 30 s; only the NOTIFY through the hub can be this fast).
-        headers = {"Authorization": f"Bearer {token}"}
-        made = httpx.post(f"{url}/admin/v1/keys", json={"name": "hub"}, headers=headers, timeout=10)
+        made = httpx.post(
+            f"{url}/admin/v1/keys", json={"name": "hub"}, headers=cp.headers, timeout=10
+        )
         assert made.status_code == 201, made.text
         key = made.json()["key"]
         wait_for(
@@ -200,6 +183,3 @@ def test_a_controlplane_process_holds_one_listen_connection(
             what="the new key to authenticate",
         )
         assert _listen_connections(db_url) == listening
-    finally:
-        stop_process(proc)
-        pg_server.drop_database(db)

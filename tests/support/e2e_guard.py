@@ -13,9 +13,10 @@ Two checks, as one rule:
 - at collection: a test that uses a fixture marked with :func:`spawns_processes` (the control
   plane, the fleet, the simulator, agents) and lacks the mark fails the whole collection,
   naming the test and the fixture; cheap, and it fails before anything runs;
-- at run time, the backstop: ``subprocess.Popen`` (under every other way Python starts a
-  child, asyncio's included) fails an unmarked test that starts one, naming the command. A
-  helper that spawns inside the test body is caught here, whatever it is called.
+- at run time, the backstop: ``subprocess.Popen`` (under asyncio's subprocesses too) and
+  ``os.fork`` (under multiprocessing's fork context) fail an unmarked test that starts a
+  child, naming the command. A helper that spawns inside the test body is caught here,
+  whatever it is called.
 
 Loaded by tests/conftest.py (``pytest_plugins``).
 """
@@ -98,6 +99,11 @@ def _argv(args: Any) -> list[str]:
     return [os.fsdecode(a) for a in args]
 
 
+# Set while this thread is inside Popen: its fork (one with a preexec_fn runs the at-fork
+# hooks) is Popen's, counted or exempted there.
+_in_popen = threading.local()
+
+
 def _guarded_execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
     item = _running
     if item is not None and not _spawn_exempt(item):
@@ -105,20 +111,36 @@ def _guarded_execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, *
         if not argv or Path(argv[0]).name not in NOT_COUNTED:
             with _lock:
                 _spawned.append(" ".join(argv)[:200])
-    _original_execute_child(self, args, *rest, **kw)
+    _in_popen.active = True
+    try:
+        _original_execute_child(self, args, *rest, **kw)
+    finally:
+        _in_popen.active = False
+
+
+def _before_fork() -> None:
+    # A child that is not exec'd by Popen: os.fork, multiprocessing's fork context (the gateway
+    # process's workers, llmgw.serve.gateway_process).
+    item = _running
+    if item is not None and not _spawn_exempt(item) and not getattr(_in_popen, "active", False):
+        with _lock:
+            _spawned.append("os.fork() (multiprocessing, say)")
 
 
 subprocess.Popen._execute_child = _guarded_execute_child  # type: ignore[attr-defined]
+os.register_at_fork(before=_before_fork)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, Any, None]:
     global _running
-    _running = item
+    # The one before, restored after: a session run inside a test (tests/support/
+    # test_e2e_guard.py's pytester) must hand the outer test back its guard.
+    outer, _running = _running, item
     try:
         yield
     finally:
-        _running = None
+        _running = outer
         with _lock:
             _spawned.clear()
 

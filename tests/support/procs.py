@@ -12,15 +12,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 
 from tests.support.waiting import WaitTimeout, wait_for
 
 __all__ = ["free_port", "llmgw_cmd", "stop_process", "wait_http_ok"]
-
-T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -59,11 +56,13 @@ def wait_http_ok(
     proc: subprocess.Popen[bytes] | None = None,
     log: Path | None = None,
 ) -> None:
+    def tail() -> str:
+        return log.read_text()[-3000:] if log is not None and log.exists() else ""
+
     def ready() -> bool:
         if proc is not None and proc.poll() is not None:
-            tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
             raise AssertionError(
-                f"process exited with {proc.returncode} before {url} was ready:\n{tail}"
+                f"process exited with {proc.returncode} before {url} was ready:\n{tail()}"
             )
         try:
             return httpx.get(url, timeout=1.0).status_code == 200
@@ -73,8 +72,7 @@ def wait_http_ok(
     try:
         wait_for(ready, timeout_s=timeout_s, what=f"{url} to answer 200")
     except WaitTimeout as exc:
-        tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-        raise AssertionError(f"{url} not ready after {timeout_s}s:\n{tail}") from exc
+        raise AssertionError(f"{url} not ready after {timeout_s}s:\n{tail()}") from exc
 
 
 def stop_process(

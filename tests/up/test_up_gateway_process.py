@@ -98,6 +98,12 @@ def test_up_serves_chats_from_a_gateway_process_restarted_after_kill_9(pg_tmp_pa
             timeout_s=30,
             what="a precise hit in the gateway process",
         )
+        # The control plane, without a public listener, shows the gateway's metrics as its own.
+        wait_for(
+            lambda: _precise_hits(info["admin_url"]) > 0,
+            timeout_s=10,
+            what="the gateway's metrics on the control plane's /metrics",
+        )
 
         # Killed outright: `up` restarts it, and chats work again (a new instance row).
         os.kill(pids["gateway"], signal.SIGKILL)

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.convertors import PathConvertor, register_url_convertor
 
-from llmgw.controlplane.admin.schemas import ErrorBody, Page, name_problem
+from llmgw.controlplane.admin.schemas import ErrorBody, Page, segment_problem
 from llmgw.errors import AuthError, NotFoundError, SpecError, clip
 from llmgw.http.admin_auth import admin_token_problem
 from llmgw.store import catalog
@@ -133,8 +133,9 @@ def audit_view(out: BaseModel) -> dict[str, Any]:
 
 
 def path_name(kind: str, name: str, plural: str | None = None) -> str:
-    """``name`` from the URL, refused as the API refuses it in a body."""
-    problem = name_problem(name)
+    """``name`` from the URL, refused when its slashes make it unaddressable (the pattern is
+    not checked: a node named before names had one rule must still be reachable)."""
+    problem = segment_problem(name)
     if problem is not None:
         raise NotFoundError(
             f"no {kind} can be named {clip(name)!r}: {problem}; list them with "

@@ -38,7 +38,7 @@ __all__ = [
     "ModelUpdate",
     "Name",
     "Page",
-    "name_problem",
+    "segment_problem",
 ]
 
 # Bounds on what one request may store. Each is far above any real profile (vLLM's longest
@@ -59,14 +59,10 @@ LIMITS: dict[str, int] = {
 }
 
 
-def name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be an object's name, or None when it can, as far as the pattern
-    of ``Name`` does not say already: its slashes (``llmgw.protocol.names``, the one rule)."""
-    return segment_problem(name)
-
-
 def _segments_ok(name: str) -> str:
-    problem = name_problem(name)
+    # What the pattern of ``Name`` does not say already: its slashes (``llmgw.protocol.names``,
+    # the one rule).
+    problem = segment_problem(name)
     if problem is not None:
         raise ValueError(problem)
     return name

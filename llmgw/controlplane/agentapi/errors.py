@@ -23,12 +23,11 @@ or anything else the client sent that may be one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from starlette.responses import Response
 
-from llmgw.errors import LlmgwError, TooManyRequestsError, status_of
+from llmgw.errors import LlmgwError, TooManyRequestsError, retry_after, status_of
 from llmgw.protocol.sync import MAX_REASON_CHARS, ProtocolErrorBody
 
 __all__ = ["protocol_error", "refusal"]
@@ -38,8 +37,7 @@ def refusal(exc: LlmgwError) -> Response:
     """``exc`` as the agent API answers it: its type's status and code, a ProtocolErrorBody."""
     headers: dict[str, str] = {}
     if isinstance(exc, TooManyRequestsError):
-        # Whole seconds, at least 1: agents sleep on it, and "0" invites a hot retry loop.
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        headers["Retry-After"] = retry_after(exc.retry_after_s)
     return protocol_error(status_of(exc), exc.code, exc.message, headers)
 
 

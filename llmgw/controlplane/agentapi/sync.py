@@ -400,18 +400,9 @@ class SyncHandler:
         )
         if in_order:
             node = replace(node, agent_epoch=request.agent_epoch, agent_seq=request.seq)
-        if node.approval_state != "approved":
-            # Pending: its inventory and order are stored; it owns no shards to report on.
-            return _Applied(
-                node=node,
-                in_order=in_order,
-                version=version,
-                rows=None,
-                live_ids=None,
-                released=[],
-                foreign=0,
-            )
-        if in_order:
+        # Pending: its inventory and order are stored; it owns no shards to report on.
+        pending = node.approval_state != "approved"
+        if in_order and not pending:
             pairs: dict[uuid.UUID, ShardBinding] = {}
             for b in bindings:
                 sid = _parse_uuid(b.shard_id)
@@ -434,7 +425,7 @@ class SyncHandler:
                 node = replace(node, desired_version=version)
         # The version was read before the shards: the set sent is at least as new as the
         # version it is labelled with, so an agent never holds a version newer than its set.
-        if _has_applied(request, version):
+        if pending or _has_applied(request, version):
             return _Applied(
                 node=node,
                 in_order=in_order,

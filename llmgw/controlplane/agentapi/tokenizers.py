@@ -57,11 +57,6 @@ def _decode(upload: TokenizerUpload) -> TokenizerFiles:
         raise SpecError(exc.message) from None
 
 
-def _decoded(upload: TokenizerUpload) -> tuple[TokenizerFiles, str]:
-    files = _decode(upload)
-    return files, files.digest
-
-
 async def check_tokenizer_files(
     files: TokenizerFiles, *, deadline_s: float = CHECK_DEADLINE_S
 ) -> str | None:
@@ -98,8 +93,10 @@ async def check_tokenizer_files(
 async def store_tokenizer(
     sessions: async_sessionmaker[AsyncSession], node_id: uuid.UUID, upload: TokenizerUpload
 ) -> TokenizerUploadResponse:
-    # Off the loop: hashing 48 MB takes ~100 ms (hashlib lets the GIL go while it hashes).
-    files, digest = await asyncio.to_thread(_decoded, upload)
+    # Off the loop: hashing 48 MB takes ~100 ms (hashlib lets the GIL go while it hashes); the
+    # hashes are kept (``TokenizerFiles``), the store reuses them.
+    files = await asyncio.to_thread(_decode, upload)
+    digest = files.digest
     async with sessions() as session, session.begin():
         model = await _model_of(session, node_id, upload.shard_id)
         held = await read_model_digest(session, model)
@@ -122,6 +119,7 @@ async def store_tokenizer(
             digest=digest,
             files=files.files,
             source=f"node {node_id} shard {upload.shard_id}",
+            shas=files.file_digests(),
         )
     if changed:
         log.info("tokenizer_files_stored", model=model, digest=digest, node=str(node_id),

@@ -11,7 +11,8 @@ Every control plane runs one; only the leader (``leader.py``) passes. A pass is:
         await apply_plan(session, plan, state, epoch=epoch)
         await apply_scale(session, decisions, state, epoch=epoch)
 
-Passes are woken by a periodic tick (APScheduler) and early by NOTIFY on the
+Passes come every ``tick_s`` (the loop's own timed wait: the tick is one coroutine's sleep,
+so it needs no scheduler and no thread) and early on a NOTIFY on the
 channel admin writes signal and on the one a gateway holding a request for a model with no
 ready replica signals (a subscription to the process's ``store.notify.NotifyHub``). A
 notification is only a hint: lost or repeated ones do no harm, because each pass re-reads
@@ -32,7 +33,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -40,6 +40,7 @@ from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_e
 from llmgw.controlplane.reconcile.read import load_snapshot
 from llmgw.controlplane.reconcile.write import apply_plan, apply_scale
 from llmgw.logs import get_logger
+from llmgw.periodic import backoff_delay
 from llmgw.planner.autoscale import Decision
 from llmgw.planner.plan import compute_plan
 from llmgw.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
@@ -52,7 +53,7 @@ __all__ = ["ReconcileMetrics", "Reconciler"]
 
 log = get_logger("llmgw.controlplane.reconcile")
 
-# After a failed pass: wait this long times 2**failures, capped, before the next try.
+# After a failed pass: backoff_delay(failures, base, max) before the next try.
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_MAX_S = 10.0
 # A gateway's demand row older than this is of a gateway that stopped or cannot write (they
@@ -164,7 +165,6 @@ class Reconciler:
         # When this process began watching the fleet without a gap: set on taking the lead,
         # cleared by a failed pass. Nodes are judged silent only from then (load_snapshot).
         self._observing_since: datetime | None = None
-        self._scheduler: AsyncIOScheduler | None = None
         self.passes_applied = 0
         # Only the leader's passes record; emptied when the lead is lost (a gap it cannot see).
         self._history = DemandHistory()
@@ -192,18 +192,12 @@ class Reconciler:
         never mixes two grace periods.
         """
         self._settings = plan_settings
-        if tick_s != self._tick_s:
-            self._tick_s = tick_s
-            if self._scheduler is not None:
-                self._scheduler.reschedule_job("reconcile-tick", trigger="interval", seconds=tick_s)
+        # The wait after the pass this wakes is the first one of the new length.
+        self._tick_s = tick_s
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set: lead when possible and pass on every tick or wake-up."""
-        scheduler = AsyncIOScheduler()
-        scheduler.add_job(self.wake, "interval", seconds=self._tick_s, id="reconcile-tick")
-        scheduler.start()
-        self._scheduler = scheduler
         self._notify.add(self._subscription)
         if self._own_notify:
             await self._notify.start()
@@ -225,8 +219,6 @@ class Reconciler:
                 # a leader whose database is gone would retry its lock in a hot loop.
                 self._wake.clear()
         finally:
-            self._scheduler = None
-            scheduler.shutdown(wait=False)
             self._notify.remove(self._subscription)
             if self._own_notify:
                 await self._notify.stop()
@@ -235,7 +227,7 @@ class Reconciler:
 
     def _pause_s(self) -> float:
         if self._failures:
-            return float(min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2**self._failures))
+            return backoff_delay(self._failures, _BACKOFF_BASE_S, _BACKOFF_MAX_S)
         return self._tick_s
 
     async def _step(self) -> None:

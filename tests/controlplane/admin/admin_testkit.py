@@ -2,8 +2,8 @@
 CLI tests, plus builders for the rows agents and the reconciler write (nodes with an
 inventory, replicas, shards holding GPUs), inserted over SQL as their writers would.
 
-The process is started as tests/controlplane/conftest.py starts it; the CLI is driven
-in-process (typer's runner) against that process over real HTTP.
+``running_controlplane`` is the suite's one way to start that process (tests/controlplane's
+fixtures and the notify hub's test use it); the CLI is driven in-process (typer's runner) against that process over real HTTP.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class ControlPlane:
     db_url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    public_url: str
 
     @property
     def headers(self) -> dict[str, str]:
@@ -53,8 +54,13 @@ class ControlPlane:
 
 
 @contextmanager
-def running_controlplane(pg_server: PgServer, template: str, tmp: Path) -> Iterator[ControlPlane]:
-    db = pg_server.new_name("cpadmin")
+def running_controlplane(
+    pg_server: PgServer, template: str, tmp: Path, *, reconcile: bool = False
+) -> Iterator[ControlPlane]:
+    """The suite's one way to start a control plane process on a fresh database. The reconcile
+    loop is off by default: the admin tests write the reconciler's rows themselves (replicas,
+    shards, status), and a live loop would replace or drain them under the assertions."""
+    db = pg_server.new_name("cp")
     db_url = pg_server.create_database(db, template=template)
     port, public_port = free_port(), free_port()
     token = secrets.token_urlsafe(24)
@@ -64,9 +70,7 @@ def running_controlplane(pg_server: PgServer, template: str, tmp: Path) -> Itera
         LLMGW_CONTROLPLANE__DATABASE_URL=db_url,
         LLMGW_CONTROLPLANE__ADMIN_TOKEN=token,
         LLMGW_LOG__JSON="true",
-        # These tests write the reconciler's rows themselves (replicas, shards, status); a
-        # live loop would replace or drain them under the assertions.
-        LLMGW_CONTROLPLANE__RECONCILE__ENABLED="false",
+        LLMGW_CONTROLPLANE__RECONCILE__ENABLED=str(reconcile).lower(),
     )
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -78,7 +82,14 @@ def running_controlplane(pg_server: PgServer, template: str, tmp: Path) -> Itera
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http_ok(f"{url}/readyz", timeout_s=30, proc=proc, log=log)
-        yield ControlPlane(url=url, token=token, db_url=db_url, proc=proc, log=log)
+        yield ControlPlane(
+            url=url,
+            token=token,
+            db_url=db_url,
+            proc=proc,
+            log=log,
+            public_url=f"http://127.0.0.1:{public_port}",
+        )
     finally:
         stop_process(proc)
         pg_server.drop_database(db)

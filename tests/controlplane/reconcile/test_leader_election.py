@@ -16,6 +16,7 @@ from sqlalchemy import text
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
 from llmgw.embedded_postgres import libpq_url
 from llmgw.store.database import create_engine, session_factory
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,18 +92,19 @@ async def test_takeover_waits_for_an_apply_past_its_check(db_url: str) -> None:
             takeover = asyncio.create_task(new.try_acquire())
             # The bump blocks on the share lock: wait until Postgres shows it waiting.
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as probe:
-                for _ in range(200):
+
+                async def takeover_waits() -> bool:
                     row = await (
                         await probe.execute(
                             "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
                             "'llmgw-leader-new' AND wait_event_type = 'Lock'"
                         )
                     ).fetchone()
-                    if row and row[0] == 1:
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    pytest.fail("the takeover never waited on the apply's share lock")
+                    return bool(row and row[0] == 1)
+
+                await until(
+                    takeover_waits, timeout_s=4, what="the takeover to wait on the share lock"
+                )
             assert not takeover.done()
             await session.execute(text("UPDATE leader SET holder = holder WHERE id = 1"))
             await session.commit()

@@ -15,7 +15,6 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import event
 
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile.read import load_snapshot
@@ -23,30 +22,11 @@ from llmgw.embedded_postgres import libpq_url
 from llmgw.planner.autoscale import AutoscalePolicy, ScaleState
 from llmgw.planner.snapshot import PlanSettings, RolloutStatus
 from llmgw.store.database import create_engine, session_factory
+from tests.support.sim_fleet import counted_statements, sim_profile_fields
 
 pytestmark = pytest.mark.timeout(90)
 
 _SETTINGS = PlanSettings(sync_period_s=1.0, sync_grace_s=30.0, drain_timeout_s=60.0)
-_PROFILE = {
-    "engine": "sim",
-    "gpu_class": "sim",
-    "tp": 2,
-    "pp": 1,
-    "gpus_per_node": 0,
-    "nodes": 1,
-    "model_path": "sim-model",
-    "served_model_name": "",
-    "args": [],
-    "env": {},
-    "secret_env": {},
-    "adapters": [],
-    "kv_events": False,
-    "threads": 0,
-    "kv_hash_seed": "4242",
-    "kv_block_size": 16,
-    "kv_hash_algo": "sha256_cbor",
-    "kv_extra_key_format": "tagged",
-}
 _MIG_A = "MIG-aaaaaaaa-0000-0000-0000-000000000001"
 _MIG_B = "MIG-aaaaaaaa-0000-0000-0000-000000000002"
 _INVENTORY = {
@@ -75,7 +55,7 @@ def _one(conn: psycopg.Connection, sql: str, *args: object) -> str:
 def _seed(url: str) -> dict[str, str]:
     """The fleet described in the module docstring; returns its ids by name."""
     ids: dict[str, str] = {}
-    fp = check_profile("sim-p", _PROFILE)
+    fp = check_profile("sim-p", sim_profile_fields(tp=2))
     with psycopg.connect(url, autocommit=True) as c:
         model = ids["model"] = _one(c, "INSERT INTO models (name) VALUES ('m') RETURNING id")
         ids["profile"] = _one(
@@ -198,16 +178,11 @@ def _seed(url: str) -> dict[str, str]:
 async def test_every_row_kind_reads_back_as_its_view(db_url: str) -> None:
     ids = _seed(libpq_url(db_url))
     engine = create_engine(db_url, pool_size=1)
-    statements: list[str] = []
-
-    def count(*args: object) -> None:
-        statements.append(str(args[2]))
-
-    event.listen(engine.sync_engine, "before_cursor_execute", count)
     try:
-        async with session_factory(engine)() as session, session.begin():
-            now = datetime.now(UTC)
-            state = await load_snapshot(session, settings=_SETTINGS, now=now)
+        with counted_statements(engine) as statements:
+            async with session_factory(engine)() as session, session.begin():
+                now = datetime.now(UTC)
+                state = await load_snapshot(session, settings=_SETTINGS, now=now)
     finally:
         await engine.dispose()
     assert len(statements) == 5, statements

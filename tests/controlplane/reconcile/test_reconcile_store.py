@@ -9,69 +9,44 @@ pass do not grow with the fleet, and a fenced epoch writes nothing.
 
 from __future__ import annotations
 
-import json
+import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import event
+from prometheus_client import CollectorRegistry
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.profile_checks import check_profile
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock
-from llmgw.controlplane.reconcile.loop import Reconciler
+from llmgw.controlplane.reconcile.loop import ReconcileMetrics, Reconciler
 from llmgw.embedded_postgres import libpq_url
 from llmgw.planner.snapshot import PlanSettings
 from llmgw.store.database import create_engine, session_factory
+from tests.support.sim_fleet import counted_statements, sim_inventory, sim_profile_fields
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(90)
 
-_SIM_PROFILE = {
-    "engine": "sim",
-    "gpu_class": "sim",
-    "tp": 1,
-    "pp": 1,
-    "gpus_per_node": 0,
-    "nodes": 1,
-    "model_path": "sim-model",
-    "served_model_name": "",
-    "args": [],
-    "env": {},
-    "secret_env": {},
-    "adapters": [],
-    "kv_events": True,
-    "threads": 0,
-    "kv_hash_seed": "4242",
-    "kv_block_size": 16,
-    "kv_hash_algo": "sha256_cbor",
-    "kv_extra_key_format": "tagged",
-}
 
-
-def _inventory(num_gpus: int) -> str:
-    return json.dumps(
-        {
-            "gpus": [
-                {
-                    "index": i,
-                    "uuid": f"SIM-{i}",
-                    "name": "sim",
-                    "gpu_class": "sim",
-                    "simulated": True,
-                }
-                for i in range(num_gpus)
-            ],
-            "cpu_threads": 8,
-            "source": "sim",
-        }
-    )
+def _add_nodes(conn: psycopg.Connection, numbers: range, gpus: int) -> None:
+    """Approved nodes ``node-NNNN`` that synced just now, ``gpus`` simulated GPUs each."""
+    for i in numbers:
+        node = conn.execute(
+            "INSERT INTO nodes (name, approval_state) VALUES (%s, 'approved') RETURNING id",
+            (f"node-{i:04d}",),
+        ).fetchone()[0]  # type: ignore[index]
+        conn.execute(
+            "INSERT INTO node_status (node_id, mgmt_addr, inventory, last_sync_at) "
+            "VALUES (%s, '127.0.0.1', %s, now())",
+            (node, sim_inventory(gpus)),
+        )
 
 
 def _seed(url: str, *, nodes: int, gpus: int, replicas: int, tp: int = 1) -> None:
     """A model, a sim profile, a deployment, and nodes that synced just now."""
-    fields = dict(_SIM_PROFILE, tp=tp)
-    fingerprint = check_profile("sim-p", fields)
+    fingerprint = check_profile("sim-p", sim_profile_fields(tp=tp, kv_events=True))
     with psycopg.connect(url, autocommit=True) as conn:
         model = conn.execute("INSERT INTO models (name) VALUES ('m') RETURNING id").fetchone()[0]  # type: ignore[index]
         profile = conn.execute(
@@ -84,16 +59,7 @@ def _seed(url: str, *, nodes: int, gpus: int, replicas: int, tp: int = 1) -> Non
             "INSERT INTO deployments (name, model_id, profile_id, replicas) VALUES ('d', %s, %s, %s)",
             (model, profile, replicas),
         )
-        for i in range(nodes):
-            node = conn.execute(
-                "INSERT INTO nodes (name, approval_state) VALUES (%s, 'approved') RETURNING id",
-                (f"node-{i:04d}",),
-            ).fetchone()[0]  # type: ignore[index]
-            conn.execute(
-                "INSERT INTO node_status (node_id, mgmt_addr, inventory, last_sync_at) "
-                "VALUES (%s, '127.0.0.1', %s, now())",
-                (node, _inventory(gpus)),
-            )
+        _add_nodes(conn, range(nodes), gpus)
 
 
 def _scalar(url: str, sql: str, *args: object) -> object:
@@ -215,31 +181,17 @@ async def test_queries_per_pass_do_not_grow_with_the_fleet(
     engine, sessions = shell
     rec = _reconciler(db_url, sessions, "cp-c")
     lock, epoch = await _lead(db_url, "cp-c")
-    statements: list[str] = []
-
-    def count(*args: object) -> None:
-        statements.append(str(args[2]))
-
     try:
         await rec.pass_once(epoch)  # places everything
-        event.listen(engine.sync_engine, "before_cursor_execute", count)
-        await rec.pass_once(epoch)
-        at_60 = len(statements)
-        with psycopg.connect(url, autocommit=True) as conn:
-            for i in range(60, 120):
-                node = conn.execute(
-                    "INSERT INTO nodes (name, approval_state) VALUES (%s, 'approved') RETURNING id",
-                    (f"node-{i:04d}",),
-                ).fetchone()[0]  # type: ignore[index]
-                conn.execute(
-                    "INSERT INTO node_status (node_id, inventory, last_sync_at) VALUES (%s, %s, now())",
-                    (node, _inventory(8)),
-                )
-        statements.clear()
-        await rec.pass_once(epoch)
-        assert len(statements) == at_60 <= 10, statements
+        with counted_statements(engine) as statements:
+            await rec.pass_once(epoch)
+            at_60 = len(statements)
+            with psycopg.connect(url, autocommit=True) as conn:
+                _add_nodes(conn, range(60, 120), 8)
+            statements.clear()
+            await rec.pass_once(epoch)
+            assert len(statements) == at_60 <= 10, statements
     finally:
-        event.remove(engine.sync_engine, "before_cursor_execute", count)
         await lock.release()
 
 
@@ -297,3 +249,35 @@ async def test_a_new_leader_after_an_outage_gives_nodes_a_grace_of_its_own(
         assert "stopped syncing" in str(reasons)
     finally:
         await lock.release()
+
+
+async def test_the_loop_leads_and_passes_on_its_tick_alone(
+    db_url: str, shell: tuple[AsyncEngine, async_sessionmaker[AsyncSession]]
+) -> None:
+    """No NOTIFY, no wake(): the loop's own timed wait is the tick (no scheduler, no thread)."""
+    url = libpq_url(db_url)
+    _seed(url, nodes=1, gpus=2, replicas=1)
+    _, sessions = shell
+    registry = CollectorRegistry()
+    rec = Reconciler(
+        sessions=sessions,
+        libpq_url=url,
+        instance_id="cp-t",
+        plan_settings=PlanSettings(sync_period_s=1.0, sync_grace_s=30.0, drain_timeout_s=60.0),
+        tick_s=0.05,
+        metrics=ReconcileMetrics.create(registry),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(rec.run(stop))
+    try:
+        await until(
+            lambda: (registry.get_sample_value("llmgw_reconcile_passes_total") or 0) >= 4,
+            timeout_s=30,
+            what="four passes on the tick",
+        )
+        assert rec.epoch is not None
+        assert _scalar(url, "SELECT count(*) FROM replicas") == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+    assert registry.get_sample_value("llmgw_reconcile_leader") == 0

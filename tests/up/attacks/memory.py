@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import msgpack
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.protocol.kvstream import (
     KV_CONTENT_TYPE,
@@ -31,6 +32,7 @@ from llmgw.protocol.kvstream import (
     decode_kv_response,
     pack_hashes,
 )
+from tests.support.waiting import wait_for
 
 # 8 bodies x ~19 MB parsed ~ 150 MB if all were held at once, plus the transient parse of each;
 # before the fix the same bodies were counted as 16 MB of queue.
@@ -84,11 +86,30 @@ def _set_ceiling(run: Any, value: int) -> None:
     run.expect(f"max_in_flight {value}", r, 200)
 
 
+def _admission_limits(run: Any) -> set[float]:
+    """Every replica's admission limit as the gateway reports it now."""
+    text = run.anonymous.get("/metrics").text
+    return {
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "llmgw_gateway_admission_limit"
+    }
+
+
 def _held_bodies(run: Any) -> None:
     pids = _serving_pids(run)
     before = {pid: _rss_mib(pid) for pid in pids}
     _set_ceiling(run, 1)
-    time.sleep(2.0)  # the profile edit reaches the gateway by NOTIFY (a route re-read)
+    # The profile edit reaches the gateway by NOTIFY (a route re-read); until it does nothing
+    # would wait in the queue, and the bound below could not fail.
+    wait_for(
+        # One table sets every replica's limit at once; a replica gone since keeps its last.
+        lambda: 1.0 in _admission_limits(run),
+        timeout_s=20,
+        what="the gateway to admit one request a replica",
+        interval_s=0.2,
+    )
     body = _many_messages()
     peak: dict[int, float] = {}
     done = False
