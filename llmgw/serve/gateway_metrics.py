@@ -26,11 +26,13 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 
 import httpx
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from llmgw.controlplane.instances import is_gateway
+from llmgw.gateway.metrics import GatewayMetrics as OwnMetrics
 from llmgw.http.bodies import BadContentLength, BodyTooLarge, declared_length, read_capped
 from llmgw.logs import get_logger
 from llmgw.periodic import Periodic
@@ -54,6 +56,17 @@ _TIMEOUT_S = 1.0
 # One gateway's exposition: a few hundred KiB with many models and replicas. Read under a cap,
 # as every other scrape is, so a wrong URL in an instance row cannot fill this process.
 _MAX_BYTES = 4 << 20
+
+
+def _described(registry: CollectorRegistry) -> tuple[Metric, ...]:
+    return tuple(Metric(m.name, m.documentation, m.type) for m in registry.collect())
+
+
+def _gateway_families() -> tuple[Metric, ...]:
+    """What a gateway's registry holds (``gateway.metrics``), as families without samples."""
+    registry = CollectorRegistry(auto_describe=True)
+    OwnMetrics.create(registry)
+    return _described(registry)
 
 
 def merge(texts: Iterable[str]) -> list[Metric]:
@@ -103,8 +116,10 @@ class GatewayMetrics(Collector):
         self._unreachable: set[str] = set()
 
     def describe(self) -> Iterable[Metric]:
-        # Nothing up front: the families are the gateways' (registering must not read them).
-        return ()
+        # The families a gateway defines, by name and type, read from its own definitions
+        # (registering must not read a gateway): a restricted read of this registry by name,
+        # such as the console sampler's, finds this collector only through them.
+        return _gateway_families()
 
     def collect(self) -> Iterable[Metric]:
         return self._families

@@ -84,3 +84,20 @@ async def test_read_takes_gateways_only_and_skips_one_past_the_cap(
     assert sorted(asked) == ["a", "big"]
     names = {s.name: s.value for f in reader.collect() for s in f.samples}
     assert names["llmgw_prefix_decisions_total"] == 2
+
+
+def test_a_restricted_read_by_the_consoles_names_finds_the_merged_families() -> None:
+    # The console's sampler reads its registry restricted to the families its charts use; a
+    # collector that describes nothing is never asked, and the Routing page stayed empty
+    # while the gateway ran in its own process.
+    from llmgw.controlplane.console.sampler import SAMPLES
+    from llmgw.serve.gateway_metrics import GatewayMetrics
+
+    registry = CollectorRegistry()
+    reader = GatewayMetrics(lambda: [])
+    reader._families = merge([WORKER % 7])
+    registry.register(reader)
+    samples = {
+        s.name: s.value for f in registry.restricted_registry(SAMPLES).collect() for s in f.samples
+    }
+    assert samples["llmgw_prefix_decisions_total"] == 7
