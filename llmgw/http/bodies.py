@@ -208,20 +208,63 @@ def _check_nesting_and_text(body: bytes, max_depth: int) -> None:
         raise _too_deep(max_depth)
     escape = lone_surrogate(body)
     if escape is not None:
-        raise BadJson(
-            f"the request body holds a lone UTF-16 surrogate ({escape}) that is not valid "
-            "Unicode; send UTF-8 text (a surrogate escape only as half of a pair)"
-        )
+        raise _lone_surrogate(escape)
+
+
+def _lone_surrogate(escape: str) -> BadJson:
+    return BadJson(
+        f"the request body holds a lone UTF-16 surrogate ({escape}) that is not valid "
+        "Unicode; send UTF-8 text (a surrogate escape only as half of a pair)"
+    )
 
 
 # One decoder for every call: json.loads with a keyword builds a new one each time.
 _DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
+_CONTAINERS: Final = (dict, list)
+
+
+def nests_deeper_than(value: Any, limit: int) -> bool:
+    """Whether parsed JSON nests arrays/objects deeper than ``limit`` (what
+    ``json_depth_exceeds`` decides on the bytes), one level at a time."""
+    level = [value] if type(value) in _CONTAINERS else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        keep = below.append
+        # Plain loops and identity tests: a generator per container cost 3x on 240,000 small
+        # objects (0.10 s against 0.037 s).
+        for v in level:
+            for x in v.values() if type(v) is dict else v:
+                if type(x) is dict or type(x) is list:
+                    keep(x)
+        level = below
+    return False
+
+
 def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The body as JSON, refusing (BadJson) what is not JSON, not UTF-8, nests too deeply,
     holds NaN/Infinity or a lone surrogate."""
-    _check_nesting_and_text(body, max_depth)
+    # A body of many brackets is parsed first and its depth measured on the result: the
+    # bytes' check removes every string with a regex (0.24 s for a 7.4 MB chat of 240,000
+    # small messages, on the gateway's loop) where the C parser takes 0.10 s and the walk
+    # ~0.03 s. Parsing a deep body is safe: the C parser's own recursion guard raises
+    # RecursionError, answered below as too deep.
+    bracketed = not _few_brackets(body, max_depth)
+    escape = lone_surrogate(body)
+    if escape is not None:
+        raise _lone_surrogate(escape)
+    value = _decode(body, max_depth)
+    if bracketed and nests_deeper_than(value, max_depth):
+        raise _too_deep(max_depth)
+    return value
+
+
+def _decode(body: bytes, max_depth: int) -> Any:
     try:
         # Strict UTF-8 (json.loads on bytes decodes with surrogatepass, letting an encoded
         # surrogate through); a UTF-8 byte order mark is skipped, as json.loads skips it.
@@ -233,7 +276,7 @@ def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     try:
         return _DECODER.decode(text)
     except RecursionError:
-        # Unreachable past the depth check; kept so a parser change can never make this a 500.
+        # Nested past the interpreter's recursion limit (~1,000 levels): too deep, not a 500.
         raise _too_deep(max_depth) from None
     except ValueError as exc:
         raise BadJson(f"request body is not JSON: {exc}") from None
