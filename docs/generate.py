@@ -36,6 +36,7 @@ def _openapi() -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     from llmgw.config import load_settings
     from llmgw.controlplane.internal_app import create_app
+    from llmgw.gateway.apis.families import public_routes
 
     # The app is only built, never started: no connection is made to this URL.
     settings = load_settings(
@@ -44,7 +45,8 @@ def _openapi() -> dict[str, Any]:
             "admin_token": "x" * 32,
         }
     )
-    doc: dict[str, Any] = create_app(settings.controlplane).openapi()
+    app = create_app(settings.controlplane, public_routes=public_routes())
+    doc: dict[str, Any] = app.openapi()
     return doc
 
 
@@ -159,6 +161,25 @@ def admin_api_markdown(doc: dict[str, Any] | None = None) -> str:
             if ref not in used:
                 used.add(ref)
                 pending.append(ref)
+    public = doc.get("x-llmgw-public-routes", [])
+    if public:
+        out += [
+            "## Public routes (the OpenAI listener)",
+            "",
+            "Served on the public listener (`gateway.host:port`, or `llmgw gateway`), not on "
+            "this one; listed in the OpenAPI document as `x-llmgw-public-routes`. Every route "
+            "checks the API key before reading a body; a model answers only the API group its "
+            "profiles serve (a profile's `apis`), else a 404 naming the routes it does serve.",
+            "",
+            "| method | path | api | group | key | errors | routing |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in public:
+            out.append(
+                f"| {r['method']} | `{r['path']}` | {r['api']} | {r['group']} | "
+                f"{_cell(r['key'])} | {r['errors']} | {_cell(r['routing'])} |"
+            )
+        out.append("")
     out += ["## Schemas", ""]
     for name in sorted(schemas):
         if name in used:

@@ -1,4 +1,4 @@
-"""Documents of desired state (models, profiles, deployments) read from a YAML file, as
+"""Documents of desired state (models, profiles, adapters, deployments) read from a YAML file, as
 `llmgw apply -f` and `llmgw up`'s demo send them to the admin API.
 
 A plain function with plain errors, so every caller (the CLI, `llmgw up`) reads files the same

@@ -1,7 +1,8 @@
-"""`llmgw apply -f FILE [--dry-run]`: models, profiles and deployments from YAML, all or nothing.
+"""`llmgw apply -f FILE [--dry-run]`: models, profiles, adapters and deployments from YAML, all or
+nothing.
 
 The file holds one or more YAML documents (separated by ``---``), each a mapping with
-``kind: model|profile|deployment`` and that kind's fields as the admin API takes them.
+``kind: model|profile|adapter|deployment`` and that kind's fields as the admin API takes them.
 The control plane checks every document before it writes anything; when any is wrong,
 every problem is printed and the exit status is 1. Otherwise one line per object says
 ``created``, ``configured`` or ``unchanged``; with ``--dry-run``, a configured object's
@@ -102,7 +103,9 @@ def apply(
     filename: Annotated[
         str,
         typer.Option(
-            "--filename", "-f", help="YAML file of models, profiles and deployments; - for stdin."
+            "--filename",
+            "-f",
+            help="YAML file of models, profiles, adapters and deployments; - for stdin.",
         ),
     ],
     dry_run: Annotated[
@@ -114,8 +117,8 @@ def apply(
 ) -> None:
     """Create or update everything a file declares, in one transaction, like `kubectl apply`.
 
-    Each document names its `kind` (model, profile or deployment) and the fields the
-    admin API takes for it. Nothing is written unless every document is right; then each
+    Each document names its `kind` (model, profile, adapter or deployment) and the fields
+    the admin API takes for it. Nothing is written unless every document is right; then each
     object prints as created, configured (changed) or unchanged. Exit status 1 lists
     every problem.
     """

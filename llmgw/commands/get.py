@@ -48,6 +48,17 @@ def _gpus(item: dict[str, Any]) -> str:
     return f"{free}/{total}" if free is not None else str(total)
 
 
+def _adapter_replicas(item: dict[str, Any]) -> str:
+    """An adapter's replicas as DESIRED/LOADED: how many should hold it (the leader's count;
+    "-" before it placed it) and how many report it loaded."""
+    status = item.get("status")
+    if not isinstance(status, dict):
+        return "-"
+    desired = status.get("desired_replicas")
+    loaded = status.get("loaded")
+    return f"{'-' if desired is None else desired}/{len(loaded) if isinstance(loaded, list) else 0}"
+
+
 def _uses(item: dict[str, Any]) -> str:
     return "unlimited" if item.get("uses_left") is None else str(item["uses_left"])
 
@@ -68,6 +79,18 @@ _TABLES: dict[str, list[_Column]] = {
         ("PP", lambda i: i.get("pp")),
         ("NODES", lambda i: i.get("nodes")),
         ("FINGERPRINT", lambda i: _short(i.get("fingerprint"), 12)),
+    ],
+    # Declared adapters (`kind: adapter`): MIN/MAX "-" is the default; DESIRED/LOADED is the
+    # placement's (the item's `status`; `llmgw status` says why one is short).
+    "adapters": [
+        ("NAME", lambda i: i.get("name")),
+        ("MODEL", lambda i: i.get("model")),
+        ("PATH", lambda i: _short(i.get("path"), 40)),
+        ("MIN", lambda i: i.get("min_replicas")),
+        ("MAX", lambda i: i.get("max_replicas")),
+        ("PINNED", lambda i: i.get("pinned")),
+        ("DESIRED/LOADED", _adapter_replicas),
+        ("DESCRIPTION", lambda i: _short(i.get("description"), 40)),
     ],
     "deployments": [
         ("NAME", lambda i: i.get("name")),
@@ -176,8 +199,8 @@ def get(
     kind: Annotated[
         str,
         typer.Argument(
-            help="models, profiles, deployments, nodes, replicas, bootstrap-tokens (tokens), "
-            "gpu-classes, actions or keys."
+            help="models, profiles, adapters, deployments, nodes, replicas, bootstrap-tokens "
+            "(tokens), gpu-classes, actions or keys."
         ),
     ],
     name: Annotated[

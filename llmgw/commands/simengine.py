@@ -1,7 +1,8 @@
 """`llmgw simengine`: the simulator engine's command line (the `sim` adapter's contract).
 
 Flags reuse vLLM's names where vLLM has the concept. The environment is read
-here and only here: SIMENGINE_API_KEY (guards /v1 like VLLM_API_KEY) and
+here and only here: SIMENGINE_API_KEY (guards /v1 like VLLM_API_KEY),
+VLLM_ALLOW_RUNTIME_LORA_UPDATING (attaches the runtime LoRA routes, as in vLLM) and
 PYTHONHASHSEED (the block-hash seed exactly as vLLM reads it; unset means
 vLLM >= 0.29's fixed default). Heavy imports stay inside the function so
 `llmgw --help` stays fast.
@@ -46,6 +47,20 @@ def simengine(
     lora_modules: Annotated[
         list[str] | None, typer.Option("--lora-modules", help="NAME=PATH, repeatable, in order.")
     ] = None,
+    max_loras: Annotated[
+        int, typer.Option("--max-loras", help="vLLM's adapters per batch (reported, not applied).")
+    ] = 1,
+    max_cpu_loras: Annotated[
+        int | None,
+        typer.Option("--max-cpu-loras", help="Adapters held at once (default: --max-loras)."),
+    ] = None,
+    lora_load_time_s: Annotated[
+        float,
+        typer.Option(
+            "--lora-load-time-s",
+            help="Seconds a runtime adapter load, or a re-read of an evicted one, takes.",
+        ),
+    ] = 0.2,
     block_size: Annotated[int, typer.Option("--block-size", help="KV block size in tokens.")] = 16,
     num_blocks: Annotated[
         int, typer.Option("--num-blocks", help="KV cache capacity in blocks.")
@@ -73,6 +88,15 @@ def simengine(
         str,
         typer.Option("--kv-extra-key-format", help="tagged (vLLM >= 0.31) or legacy (0.19-0.30)."),
     ] = "tagged",
+    kv_transfer_config: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-transfer-config",
+            help="vLLM's KVTransferConfig as JSON; the simulator runs ExampleConnector "
+            "(kv_connector_extra_config.shared_storage_path: a directory producer and consumer "
+            "share).",
+        ),
+    ] = None,
     load_time_s: Annotated[
         float, typer.Option("--load-time-s", help="Seconds before /health is 200.")
     ] = 0.0,
@@ -82,6 +106,13 @@ def simengine(
     step_overhead_ms: Annotated[float, typer.Option("--step-overhead-ms")] = 2.0,
     prefill_ms_per_token: Annotated[float, typer.Option("--prefill-ms-per-token")] = 0.05,
     decode_ms_per_seq: Annotated[float, typer.Option("--decode-ms-per-seq")] = 0.3,
+    kv_load_ms_per_token: Annotated[
+        float,
+        typer.Option(
+            "--kv-load-ms-per-token",
+            help="Modelled cost of a prompt token loaded from the KV connector.",
+        ),
+    ] = 0.005,
     seed: Annotated[int, typer.Option("--seed", help="Default sampling seed.")] = 0,
     tokenizer: Annotated[
         str | None,
@@ -129,9 +160,12 @@ def simengine(
     try:
         from llmgw.simengine.config import (
             SimEngineConfig,
+            parse_allow_runtime_lora_updating,
             parse_kv_events_config,
             parse_lora_module,
         )
+        from llmgw.simengine.kv_storage import check_storage_dir
+        from llmgw.simengine.kv_transfer import parse_kv_transfer_config
         from llmgw.simengine.scheduler import SchedulerConfig
         from llmgw.simengine.timing import TimingModel
 
@@ -153,8 +187,10 @@ def simengine(
                 prefill_ms_per_token=prefill_ms_per_token,
                 decode_ms_per_seq=decode_ms_per_seq,
                 time_scale=time_scale,
+                kv_load_ms_per_token=kv_load_ms_per_token,
             ),
             kv_events=parse_kv_events_config(kv_events_config),
+            kv_transfer=parse_kv_transfer_config(kv_transfer_config),
             kv_events_shape=_choice("--kv-events-shape", kv_events_shape, ("map", "array")),  # type: ignore[arg-type]
             kv_events_hash=_choice("--kv-events-hash", kv_events_hash, ("int", "bytes")),  # type: ignore[arg-type]
             kv_extra_key_format=_choice(  # type: ignore[arg-type]
@@ -167,7 +203,17 @@ def simengine(
             # vLLM hashes PYTHONHASHSEED as the string it reads; unset = its >= 0.29 default seed.
             hash_seed=_hash_seed(os.environ.get("PYTHONHASHSEED")),
             api_key=os.environ.get("SIMENGINE_API_KEY") or None,
+            allow_runtime_lora_updating=parse_allow_runtime_lora_updating(
+                os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+            ),
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            lora_load_time_s=lora_load_time_s,
         )
+        if config.kv_transfer is not None:
+            # Checked here too (the engine checks again) so a bad directory is exit 2 with the
+            # path, before the server starts.
+            check_storage_dir(config.kv_transfer)
         limits = _limits(max_connections, max_header_bytes, header_timeout_s)
     except LlmgwError as exc:
         get_logger(__name__).error("simengine_config_invalid", error=exc.message, field=exc.field)

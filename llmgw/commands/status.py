@@ -1,6 +1,6 @@
 """`llmgw status [--json]`: the fleet on one screen: nodes, deployments (desired / ready /
-updated replicas, rollout progress), shards with state and reason, and the prefix-routing
-hit rate per model.
+updated replicas, rollout progress), shards with state and reason, runtime adapters (desired
+/ loaded replicas, why one is short, failed loads), and the prefix-routing hit rate per model.
 
 It connects as `llmgw get` does (--url / LLMGW_ADMIN_URL, else the up.json of a local
 `llmgw up`). The hit rate comes from the control plane's own /metrics
@@ -139,6 +139,7 @@ def collect(client: AdminClient, conn: AdminConnection) -> dict[str, Any]:
     rates = _metrics(conn)
     now = datetime.now(UTC)
     return {
+        "adapters": _adapters(client),
         "demand": _demand(client),
         "nodes": [
             {
@@ -175,6 +176,48 @@ def _autoscale(d: dict[str, Any]) -> dict[str, Any] | None:
         "last_scaled_at": last.get("last_scaled_at"),
         "reason": last.get("reason") or "",
     }
+
+
+def _adapters(client: AdminClient) -> list[dict[str, Any]] | None:
+    """Declared adapters and where they stand; None from a control plane that predates them."""
+    try:
+        items = client.list_all("adapters")
+    except LlmgwError:
+        return None
+    out = []
+    for a in items:
+        raw = a.get("status")
+        st: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        failures = [f for f in st.get("failures") or [] if isinstance(f, dict)]
+        out.append(
+            {
+                "name": a.get("name"),
+                "model": a.get("model"),
+                "desired": st.get("desired_replicas"),
+                "replicas": len(st.get("replicas") or []),
+                "loaded": len(st.get("loaded") or []),
+                "unplaced": st.get("unplaced") or "",
+                "failures": [
+                    {
+                        "replica": f.get("replica"),
+                        "node": f.get("node"),
+                        "reason": f.get("reason") or "",
+                        "failures": f.get("failures") or 0,
+                    }
+                    for f in failures
+                ],
+            }
+        )
+    return out
+
+
+def _adapter_reason(a: dict[str, Any]) -> str:
+    """Why an adapter is short, then each failed load (node, count, reason)."""
+    parts = [a["unplaced"]] if a.get("unplaced") else []
+    parts += [
+        f"load failed on {f['node']} ({f['failures']}x): {f['reason']}" for f in a["failures"]
+    ]
+    return "; ".join(parts)
 
 
 def _demand(client: AdminClient) -> list[dict[str, Any]] | None:
@@ -275,6 +318,25 @@ def render(data: dict[str, Any]) -> str:
             ],
         )
     )
+    adapters = data.get("adapters")
+    if adapters:
+        parts.append(f"\nADAPTERS ({len(adapters)})")
+        parts.append(
+            render_table(
+                ["NAME", "MODEL", "DESIRED", "PLACED", "LOADED", "REASON"],
+                [
+                    [
+                        a["name"],
+                        a["model"],
+                        "-" if a["desired"] is None else a["desired"],
+                        a["replicas"],
+                        a["loaded"],
+                        _short(_adapter_reason(a), 80) or "-",
+                    ]
+                    for a in adapters
+                ],
+            )
+        )
     demand = data.get("demand")
     scaled = [d for d in data["deployments"] if d.get("autoscale")]
     if scaled:
@@ -365,7 +427,8 @@ def status(
     data_dir: DataDirOption = None,
 ) -> None:
     """Show the fleet on one screen: nodes, deployments and rollouts, shards and why they are
-    not ready, and the prefix-routing hit rate per model."""
+    not ready, runtime adapters and where they are loaded, and the prefix-routing hit rate per
+    model."""
     conn = resolve_connection(url, admin_token, data_dir)
     with AdminClient(conn) as client:
         data = collect(client, conn)

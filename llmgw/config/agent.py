@@ -171,6 +171,21 @@ class AgentSettings(Section):
     stable_after_s: float = Field(
         default=60.0, gt=0, description="Uptime after which a crash no longer counts as a loop."
     )
+    adapter_call_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="Longest one call of the agent to an engine's runtime LoRA routes may take "
+        "(a load reads the adapter from disk); past it the call counts as failed and the "
+        "agent reads the engine's list before its next call.",
+    )
+    adapter_retry_min_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Pause before a failed runtime adapter load or unload is tried again, "
+        "doubled after each further failure up to adapter_retry_max_s.",
+    )
+    adapter_retry_max_s: float = Field(default=300.0, gt=0)
     sync_backoff_max_s: float = Field(default=30.0, gt=0)
     sync_timeout_s: float = Field(default=10.0, gt=0)
     log_max_bytes: int = Field(default=16 << 20, gt=0)

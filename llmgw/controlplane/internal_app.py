@@ -17,7 +17,7 @@ app is mounted on the internal listener only (``llmgw.serve.servers``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -92,9 +92,16 @@ def check_settings(settings: ControlPlaneSettings) -> None:
 
 
 def create_app(
-    settings: ControlPlaneSettings, *, parts: ControlPlaneParts | None = None
+    settings: ControlPlaneSettings,
+    *,
+    parts: ControlPlaneParts | None = None,
+    public_routes: Sequence[Mapping[str, str]] = (),
 ) -> FastAPI:
     """Build the internal app. The database URL and admin token must be set.
+
+    ``public_routes``: the public listener's routes (``gateway.apis.families.public_routes``,
+    handed over by the composition root: this package does not import the gateway), listed
+    in the OpenAPI document as ``x-llmgw-public-routes`` so one document names every route.
 
     Its lifespan runs the reconcile loop (``parts.reconciler``, None when
     ``controlplane.reconcile.enabled`` is off), which passes only while this process holds
@@ -135,6 +142,8 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.admin_token = settings.admin_token
+    if public_routes:
+        _list_public_routes(app, public_routes)
     app.state.sessions = sessions
     install_error_handlers(app)
 
@@ -277,3 +286,18 @@ def plan_settings(r: ReconcileSettings) -> PlanSettings:
         )
     except ConfigError as exc:
         raise ConfigError(exc.message, field=f"controlplane.reconcile.{exc.field}") from None
+
+
+def _list_public_routes(app: FastAPI, routes: Sequence[Mapping[str, str]]) -> None:
+    """The OpenAPI document, built once on first read as FastAPI builds it, plus the public
+    routes as an extension (they are served by another listener, so not as `paths`)."""
+    build = app.openapi
+    rows = [dict(r) for r in routes]
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = build()
+            doc["x-llmgw-public-routes"] = rows
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]

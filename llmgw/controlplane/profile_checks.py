@@ -38,12 +38,13 @@ _REGISTRY = EngineRegistry(EnginesConfig(trtllm=TRTLLMConfig(serve_path="trtllm-
 LAUNCH_FIELDS = (
     "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "model_path", "served_model_name",
     "args", "env", "secret_env", "adapters", "kv_events", "threads", "kv_hash_seed",
-    "kv_block_size", "kv_hash_algo", "kv_extra_key_format", "multinode_backend",
+    "kv_block_size", "kv_hash_algo", "kv_extra_key_format", "multinode_backend", "adapter_slots",
 )  # fmt: skip
-# What a shard's launch spec carries of the profile: the launch fields, and those the agent acts
-# on beside the process (the tokenizer whose files it ships), which change no command and so no
-# fingerprint.
-SPEC_FIELDS = (*LAUNCH_FIELDS, "tokenizer")
+# What a shard's launch spec carries of the profile: the launch fields, and those read beside the
+# process (the tokenizer whose files the agent ships; the API families the gateways send it,
+# which the route table falls back to when the profile is gone), which change no command and
+# so no fingerprint.
+SPEC_FIELDS = (*LAUNCH_FIELDS, "tokenizer", "apis")
 
 
 def engine_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> Profile:
@@ -79,8 +80,13 @@ def engine_profile(name: str, fields: Mapping[str, Any], *, model: str = "") -> 
         ),
         # Ray or vLLM's own launcher: a different process tree, so it counts like any arg.
         multinode_backend=fields.get("multinode_backend", "ray"),
+        # The flags the engine adds for it are in the fingerprint; the adapters the leader
+        # places on a replica are not. A field set from before it existed means 0.
+        adapter_slots=fields.get("adapter_slots", 0),
         # Read by the agent that ships the tokenizer files; no command changes with it.
         tokenizer=fields.get("tokenizer", ""),
+        # Read by the gateways' route table; no command changes with it either.
+        apis=tuple(fields.get("apis", ())),
     )
 
 

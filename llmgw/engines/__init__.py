@@ -65,17 +65,22 @@ from llmgw.engines.requirements import (
 )
 from llmgw.engines.secret_refs import SecretReference, check_secret_refs, parse_secret_ref
 from llmgw.engines.spec import (
+    API_GENERATE,
+    API_GROUPS,
+    API_POOLING,
     CPU_GPU_CLASS,
     ENGINE_ALIASES,
     MAX_HASH_SEED,
     TOKENIZER_NONE,
     Adapter,
+    ApiGroup,
     GPUInfo,
     KVHashParams,
     Profile,
     ReplicaId,
     ShardId,
     ShardSpec,
+    apis_problem,
     canonical_engine,
     hash_seed_problem,
     is_valid_hash_seed,
@@ -86,6 +91,9 @@ from llmgw.engines.spec import (
 
 __all__ = [
     "ANY_ENGINE_LOAD_METRICS",
+    "API_GENERATE",
+    "API_GROUPS",
+    "API_POOLING",
     "BASE_ENV_NAMES",
     "BASE_ENV_PREFIXES",
     "CPU_GPU_CLASS",
@@ -98,6 +106,7 @@ __all__ = [
     "TOKENIZER_NONE",
     "UNSAFE_ENV",
     "Adapter",
+    "ApiGroup",
     "Command",
     "CommandFile",
     "Engine",
@@ -122,6 +131,7 @@ __all__ = [
     "SimConfig",
     "TRTLLMConfig",
     "VLLMConfig",
+    "apis_problem",
     "base_env_from",
     "canonical_engine",
     "check_replica_specs",

@@ -21,7 +21,8 @@ from llmgw.engines.flags import (
     flag_value,
     refused_flags,
 )
-from llmgw.engines.spec import GPUInfo, Profile, ShardSpec
+from llmgw.engines.runtime_adapters import RuntimeAdapterApi
+from llmgw.engines.spec import API_GENERATE, GPUInfo, Profile, ShardSpec
 from llmgw.engines.validation import (
     EngineTraits,
     data_parallel_size,
@@ -121,6 +122,10 @@ class Engine(ABC):
     # replica the control plane suspends is stopped instead (can_suspend).
     suspend_calls: ClassVar[tuple[str, ...]] = ()
     resume_calls: ClassVar[tuple[str, ...]] = ()
+    # A CPU shard of this engine runs on the cores the agent picks for it (ShardSpec.cpu_cores,
+    # as many as its threads); False: the agent picks none and the engine's threads go where
+    # the kernel puts them.
+    binds_cpu_cores: ClassVar[bool] = False
     # A multi-node replica's ranks must get the same GPU indices and HCA names
     # on every node: the leader's launcher copies its own values to every rank
     # (TensorRT-LLM's `mpirun -x`).
@@ -132,10 +137,24 @@ class Engine(ABC):
     # The flags that name the directory the engine reads its tokenizer from instead of the
     # model's (tokenizer_dir); empty: the engine takes no such flag.
     tokenizer_flags: ClassVar[tuple[str, ...]] = ("--tokenizer",)
+    # How the engine loads and unloads LoRA adapters while it runs (runtime_adapters.py):
+    # what the agent calls to converge a shard to the adapters the leader placed on it. None:
+    # it cannot, and a profile with adapter_slots > 0 is refused (check_adapter_slots).
+    runtime_adapters: ClassVar[RuntimeAdapterApi | None] = None
+    # The engine's name in messages to operators (llama.cpp, not llamacpp); empty: `name`.
+    display_name: ClassVar[str] = ""
 
     @property
     def name(self) -> str:
         return self.traits.name
+
+    @property
+    def title(self) -> str:
+        return self.display_name or self.name
+
+    @property
+    def loads_adapters_at_runtime(self) -> bool:
+        return self.runtime_adapters is not None
 
     @property
     def syntax(self) -> FlagSyntax:
@@ -183,6 +202,7 @@ class Engine(ABC):
             )
         warnings = validate_common(profile, gpus, self.traits)
         self._check_args(profile)
+        self.check_adapter_slots(profile)
         warnings.extend(self._validate_engine(profile, gpus))
         if not self.authenticates:
             warnings.append(
@@ -204,6 +224,29 @@ class Engine(ABC):
     def _validate_engine(self, profile: Profile, gpus: Sequence[GPUInfo]) -> list[str]:
         """Engine-specific checks beyond the common ones."""
         return []
+
+    def check_adapter_slots(self, profile: Profile) -> None:
+        """Raise SpecError when ``profile.adapter_slots`` cannot work on this engine: one that
+        loads no adapters at runtime, or args that contradict the flags the slots set.
+
+        Run where the profile is defined (validate) and again where a shard is launched
+        (commands): the leader places runtime adapters only on profiles with slots, and an
+        engine that never loads them would leave every one of them failed on every node."""
+        if profile.adapter_slots <= 0:
+            return
+        if self.runtime_adapters is None:
+            raise SpecError(
+                f"profile {profile.name!r}: {self.title} cannot load adapters at runtime "
+                f"(adapter_slots is {profile.adapter_slots}): set adapter_slots to 0 and list "
+                f"the adapter in the profile's adapters",
+                field="profile.adapter_slots",
+            )
+        self._check_adapter_args(profile)
+
+    def _check_adapter_args(self, profile: Profile) -> None:
+        """Engine-specific: the profile's args against the flags adapter_slots sets (an
+        engine with runtime adapters overrides it)."""
+        return None
 
     @abstractmethod
     def reserved_flags(self, profile: Profile) -> list[ReservedFlag]:
@@ -231,6 +274,7 @@ class Engine(ABC):
         # env is not refused here but skipped (env.py), as the seed does.
         validate_common(p.model_copy(update={"env": {}, "secret_env": {}}), (), self.traits)
         self._check_args(p)
+        self.check_adapter_slots(p)
         validate_spec_fits(
             p, self.traits, rank=spec.rank, nnodes=spec.nnodes, num_gpus=spec.num_gpus
         )
@@ -287,7 +331,25 @@ class Engine(ABC):
         """Whether a shard of ``profile`` suspends (suspend_calls) rather than stops when the
         control plane wants it asleep; an engine whose suspend is a launch option (vLLM's
         sleep mode) answers from the profile."""
-        return bool(self.suspend_calls)
+        return not self.suspend_refusal(profile)
+
+    def suspend_refusal(self, profile: Profile) -> str:
+        """Why a shard of ``profile`` is stopped when the control plane wants it asleep, for
+        the autoscaler's decisions and the deployment's status to say so; "" when it
+        suspends. The default: an engine without suspend_calls has no suspend at all."""
+        return "" if self.suspend_calls else f"{self.name} has no suspend"
+
+    def wants_model_config(self, profile: Profile) -> bool:
+        """Whether the agent should read the model's ``config.json`` (in ``model_path``, where
+        that is a directory on the node) and hand it to ``check_model_config`` before starting
+        a shard of ``profile``: False by default, so no other engine costs a file read."""
+        return False
+
+    def check_model_config(self, profile: Profile, config: Mapping[str, object]) -> None:
+        """Raise SpecError when the model, as its parsed ``config.json`` describes it, cannot
+        run under ``profile``: a limit the engine would only hit once serving (this package
+        reads no files; the agent passes what it read). The default checks nothing."""
+        return None
 
     def tokenizer_dir(self, profile: Profile) -> str | None:
         """The directory on the node whose tokenizer files (``tokenizer.json``, its config, the
@@ -305,6 +367,21 @@ class Engine(ABC):
             else None
         )
         return named or profile.model_path or None
+
+    def served_apis(self, profile: Profile) -> frozenset[str]:
+        """The API families (``API_GROUPS``) a process of ``profile`` serves: the profile's own
+        ``apis`` where it lists any, else this engine's default for it (``default_apis``).
+        What the gateways' route table reads, so a request of another family gets a 404
+        naming the routes the model does serve instead of an engine's error."""
+        if profile.apis:
+            return frozenset(profile.apis)
+        return self.default_apis(profile)
+
+    def default_apis(self, profile: Profile) -> frozenset[str]:
+        """The API families a process of ``profile`` serves when the profile says nothing:
+        generation, for every engine that serves no pooling models (vLLM and the simulator
+        override it). A claim from the profile alone: this package loads no model."""
+        return frozenset({API_GENERATE})
 
     def list_devices_command(self, command: Command) -> tuple[str, tuple[str, ...]] | None:
         """A command that lists the GPUs the engine's build can see, or None."""

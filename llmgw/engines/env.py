@@ -159,6 +159,9 @@ _OWNED: dict[str, str] = {
     "PYTHONHASHSEED": "llmgw sets it from profile.kv_hash.seed, which the router hashes with",
     "VLLM_API_KEY": "llmgw gives each shard its own API key",
     "VLLM_HOST_IP": "llmgw sets each rank's management address",
+    # Another value would put a CPU shard on cores the agent gave another shard.
+    "VLLM_CPU_OMP_THREADS_BIND": "llmgw binds each CPU shard to the cores the agent picked for "
+    "it (profile.threads says how many)",
     "LLAMA_API_KEY": "llmgw gives each shard its own API key",
     "SIMENGINE_API_KEY": "llmgw gives each shard its own API key",
     # SGLang loads any flag from this file, the API key and bind address included.

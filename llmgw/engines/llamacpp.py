@@ -45,6 +45,7 @@ _RESERVED = (
 
 class LlamaCpp(Engine):
     traits = EngineTraits(name="llamacpp", multi_node=False, cpu=True, kv_events=False)
+    display_name = "llama.cpp"
     # 503 {"message": "Loading model"} while loading, 200 once ready.
     readiness = Readiness(loading_statuses=frozenset({503}))
     # Slots busy and requests deferred for want of one (as llama-server exposes them with

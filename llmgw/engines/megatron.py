@@ -53,6 +53,7 @@ class Megatron(Engine):
     metrics_path = None
     # 503 until the InferenceClient exists, then 200 {"ready": true}.
     readiness = Readiness(loading_statuses=frozenset({503}))
+    display_name = "Megatron-core"
     all_reserved = _RESERVED
     authenticates = False
     suspend_calls = COORDINATOR_SUSPEND_CALLS

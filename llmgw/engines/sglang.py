@@ -11,13 +11,16 @@ import json
 import posixpath
 from collections.abc import Mapping
 
+from llmgw.engines.adapter_slots import SlotFlags, slot_args
 from llmgw.engines.command import Command, CommandFile
 from llmgw.engines.config import SGLangConfig
 from llmgw.engines.engine import Engine, Readiness, host_port
 from llmgw.engines.env import materialize_env, shard_env
-from llmgw.engines.flags import ReservedFlag
+from llmgw.engines.flags import ReservedFlag, has_flag
+from llmgw.engines.runtime_adapters import SGLANG_RUNTIME_ADAPTERS
 from llmgw.engines.spec import Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
+from llmgw.errors import SpecError
 
 __all__ = ["CONFIG_FILE_NAME", "SGLang"]
 
@@ -47,6 +50,20 @@ _RESERVED = (
     ReservedFlag(("--device",), "profile.gpu_class"),
 )
 
+# Runtime LoRA adapters (profile.adapter_slots; issue [lora]). SGLang counts every registered
+# adapter, --lora-paths included, against --max-loaded-loras (its tokenizer manager refuses a
+# load past it, and it refuses to start with more --lora-paths than that), and requires
+# --max-loaded-loras >= --max-loras-per-batch (server_args.py). With no --lora-paths it sizes
+# its LoRA memory pool from --max-lora-rank and --lora-target-modules, and refuses to start
+# without both ("When no initial --lora-paths is provided, you need to specify both ...").
+_LORA_SLOTS = SlotFlags(held=("--max-loaded-loras",), batch=("--max-loras-per-batch",))
+_ENABLE_LORA = "--enable-lora"
+_LORA_SHAPE = (("--max-lora-rank",), ("--lora-target-modules",))
+_LORA_KNOWN = frozenset(
+    {_ENABLE_LORA, "--max-loaded-loras", "--max-loras-per-batch", "--max-lora-rank",
+     "--lora-target-modules", "--lora-backend", "--lora-eviction-policy"}
+)  # fmt: skip
+
 
 class SGLang(Engine):
     traits = EngineTraits(
@@ -65,9 +82,42 @@ class SGLang(Engine):
     all_reserved = _RESERVED
     # launch_server names the tokenizer's directory --tokenizer-path (vLLM's --tokenizer).
     tokenizer_flags = ("--tokenizer-path",)
+    runtime_adapters = SGLANG_RUNTIME_ADAPTERS
+    display_name = "SGLang"
 
     def __init__(self, cfg: SGLangConfig | None = None) -> None:
         self._cfg = cfg or SGLangConfig()
+
+    def _lora_known(self) -> frozenset[str]:
+        return self.known_flags() | _LORA_KNOWN
+
+    def _check_adapter_args(self, profile: Profile) -> None:
+        missing = [
+            names[0]
+            for names in _LORA_SHAPE
+            if not has_flag(profile.args, names, self.syntax, self._lora_known())
+        ]
+        if missing and not profile.adapters:
+            raise SpecError(
+                f"profile {profile.name!r}: adapter_slots is {profile.adapter_slots} and the "
+                f"profile lists no adapters, so SGLang sizes its LoRA memory at start from "
+                f"--max-lora-rank and --lora-target-modules, and refuses to start without "
+                f"them; add {' and '.join(missing)} to args (e.g. --max-lora-rank 64 "
+                f"--lora-target-modules all: the largest rank and the modules of every adapter "
+                f"it will load)",
+                field="profile.args",
+            )
+        self._slot_args(profile)
+
+    def _slot_args(self, profile: Profile) -> list[str]:
+        return slot_args(
+            profile,
+            _LORA_SLOTS,
+            held=profile.adapter_slots + len(profile.adapters),
+            syntax=self.syntax,
+            known=self._lora_known(),
+            engine="SGLang",
+        )
 
     def reserved_flags(self, profile: Profile) -> list[ReservedFlag]:
         return list(_RESERVED)
@@ -108,6 +158,13 @@ class SGLang(Engine):
             ]
         if p.adapters:
             args += ["--enable-lora", "--lora-paths", *(f"{a.name}={a.path}" for a in p.adapters)]
+        if p.adapter_slots > 0:
+            # Every rank: the LoRA sizes shape each scheduler's memory pool.
+            if not p.adapters and not has_flag(
+                p.args, (_ENABLE_LORA,), self.syntax, self._lora_known()
+            ):
+                args.append(_ENABLE_LORA)
+            args += self._slot_args(p)
         files: tuple[CommandFile, ...] = ()
         if spec.api_key:
             path = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Mapping
 
+from llmgw.engines.adapter_slots import SlotFlags, slot_args
 from llmgw.engines.command import Command
 from llmgw.engines.config import SimConfig
 from llmgw.engines.engine import (
@@ -22,7 +23,8 @@ from llmgw.engines.engine import (
 from llmgw.engines.env import materialize_env, shard_env
 from llmgw.engines.flags import ReservedFlag, flag_value, has_flag
 from llmgw.engines.kv_config import kv_events_config
-from llmgw.engines.spec import Profile, ShardSpec
+from llmgw.engines.runtime_adapters import VLLM_RUNTIME_ADAPTERS
+from llmgw.engines.spec import API_GROUPS, Profile, ShardSpec
 from llmgw.engines.validation import EngineTraits
 from llmgw.engines.vllm import VLLM_LOAD_METRICS
 
@@ -46,6 +48,11 @@ _RESERVED = (
 TOKENIZER_TINY = "tiny"
 TOKENIZER_BUILTIN = "builtin"
 
+# Runtime LoRA adapters as vLLM's (llmgw/simengine/lora_runtime.py): --max-cpu-loras held, --max-loras
+# per batch, the routes served only with VLLM_ALLOW_RUNTIME_LORA_UPDATING true.
+_LORA_SLOTS = SlotFlags(held=("--max-cpu-loras",), batch=("--max-loras",))
+_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
 # The packaged tiny model's directory (its tokenizer.json and tokenizer_config.json): llmgw's
 # own, beside this package, wherever llmgw is installed.
 TINY_MODEL_DIR = posixpath.join(posixpath.dirname(posixpath.dirname(__file__)), "tinymodel")
@@ -59,9 +66,23 @@ class Sim(Engine):
     all_reserved = _RESERVED
     suspend_calls = COORDINATOR_SUSPEND_CALLS
     resume_calls = COORDINATOR_RESUME_CALLS
+    runtime_adapters = VLLM_RUNTIME_ADAPTERS
 
     def __init__(self, cfg: SimConfig | None = None) -> None:
         self._cfg = cfg or SimConfig()
+
+    def _check_adapter_args(self, profile: Profile) -> None:
+        self._slot_args(profile)
+
+    def _slot_args(self, profile: Profile) -> list[str]:
+        return slot_args(
+            profile,
+            _LORA_SLOTS,
+            held=profile.adapter_slots,
+            syntax=self.syntax,
+            known=self.known_flags(),
+            engine="the simulator",
+        )
 
     def reserved_flags(self, profile: Profile) -> list[ReservedFlag]:
         return list(_RESERVED)
@@ -78,6 +99,11 @@ class Sim(Engine):
         if named == TOKENIZER_BUILTIN:
             return None
         return named
+
+    def default_apis(self, profile: Profile) -> frozenset[str]:
+        # One simulator process answers generation and /v1/embeddings alike, so the demo and
+        # the tests reach every route without a second model.
+        return frozenset(API_GROUPS)
 
     def _commands(self, spec: ShardSpec, inherited: Mapping[str, str]) -> list[Command]:
         p = spec.profile
@@ -100,6 +126,8 @@ class Sim(Engine):
         ]
         for a in p.adapters:
             args += ["--lora-modules", f"{a.name}={a.path}"]
+        if p.adapter_slots > 0:
+            args += self._slot_args(p)
         if p.kv_events:
             args += ["--kv-events-config", kv_events_config(spec)]
         if not has_flag(p.args, self.tokenizer_flags, self.syntax, self.known_flags()):
@@ -114,6 +142,8 @@ class Sim(Engine):
             extra["SIMENGINE_API_KEY"] = spec.api_key
         if p.kv_events:
             extra["PYTHONHASHSEED"] = p.kv_hash.seed
+        if p.adapter_slots > 0:
+            extra[_RUNTIME_LORA_ENV] = "True"
         env = materialize_env(inherited, shard_env(spec, extra), spec)
         return [
             Command(name="simengine", path=self._cfg.python_executable, args=tuple(args), env=env)

@@ -12,18 +12,23 @@ input that came from elsewhere is `parse_shard_spec`'s job, given the data.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, NewType
+from collections.abc import Sequence
+from typing import Any, Final, Literal, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmgw.errors import SpecError
 
 __all__ = [
+    "API_GENERATE",
+    "API_GROUPS",
+    "API_POOLING",
     "CPU_GPU_CLASS",
     "KV_HASH_ALGORITHM",
     "MAX_HASH_SEED",
     "TOKENIZER_NONE",
     "Adapter",
+    "ApiGroup",
     "ExtraKeyFormat",
     "GPUInfo",
     "KVHashParams",
@@ -32,6 +37,7 @@ __all__ = [
     "ReplicaId",
     "ShardId",
     "ShardSpec",
+    "apis_problem",
     "describe_validation_error",
     "hash_seed_problem",
     "is_valid_hash_seed",
@@ -104,6 +110,35 @@ def tokenizer_problem(value: str) -> str | None:
             "(e.g. /models/llama-3-8b-instruct), 'none' (the model has no local tokenizer: "
             "the gateways ask a replica's /tokenize), or empty (the engine's own tokenizer)"
         )
+    return None
+
+
+# The API families a model may serve (``Profile.apis``): `generate` (completions, chat,
+# Responses, Anthropic Messages) and `pooling` (embeddings, rerank, score). A vLLM process
+# serves one of them, by its runner (`--runner generate|pooling`); the gateways answer a
+# request of a family the model's profiles do not serve with a 404 naming what it does serve.
+ApiGroup = Literal["generate", "pooling"]
+API_GENERATE: Final = "generate"
+API_POOLING: Final = "pooling"
+API_GROUPS: Final[tuple[ApiGroup, ...]] = (API_GENERATE, API_POOLING)
+
+
+def apis_problem(values: Sequence[str]) -> str | None:
+    """Why ``values`` cannot be a profile's ``apis``, or None when they can.
+
+    The one rule for the field, used by the admin API's schema and the launch spec alike:
+    each value one of API_GROUPS, each at most once (empty: the engine's default). A value
+    outside the set is not quoted back whole (it is checked, not echoed)."""
+    seen: set[str] = set()
+    for value in values:
+        if value not in API_GROUPS:
+            return (
+                f"{value[:32]!r} is no API family: each must be one of "
+                f"{', '.join(API_GROUPS)} (or leave the list empty for the engine's default)"
+            )
+        if value in seen:
+            return f"lists {value!r} twice: give each API family once"
+        seen.add(value)
     return None
 
 
@@ -221,6 +256,13 @@ class Profile(_Wire):
     served_model_name: str = ""
     # In order: an adapter's index is the id llama.cpp applies it by.
     adapters: tuple[Adapter, ...] = ()
+    # Runtime LoRA adapters (`kind: adapter` documents) the engine holds loaded at once: the
+    # leader places at most this many on each replica and the agent loads and unloads them
+    # in the running engine. 0: none, the engine serves only `adapters` above. Above 0 only
+    # for an engine that loads adapters at runtime (Engine.runtime_adapters); the flags it
+    # adds (vLLM's --enable-lora --max-cpu-loras and runtime updating) are part of the
+    # fingerprint, the adapters placed are not.
+    adapter_slots: int = Field(default=0, ge=0, le=1024)
     # Have the engine publish KV cache events to the agent (vLLM and sim only).
     kv_events: bool = False
     # CPU cores an engine on the CPU computes on; 0 leaves it to placement
@@ -237,6 +279,11 @@ class Profile(_Wire):
     # else the directory on the node whose files the agent ships (tokenizer_problem). Not part
     # of the fingerprint: it changes what the agent ships beside the process, not the process.
     tokenizer: str = ""
+    # The API families the model serves (API_GROUPS); empty: the engine's default for the
+    # profile (Engine.served_apis: vLLM's from its --runner, the simulator both). Read live by
+    # the gateways' route table. Not part of the fingerprint: it changes which requests the
+    # gateways send the process, not the process.
+    apis: tuple[ApiGroup, ...] = ()
 
     @field_validator("engine")
     @classmethod
@@ -247,6 +294,14 @@ class Profile(_Wire):
     @classmethod
     def _tokenizer_ok(cls, v: str) -> str:
         problem = tokenizer_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+    @field_validator("apis")
+    @classmethod
+    def _apis_ok(cls, v: tuple[ApiGroup, ...]) -> tuple[ApiGroup, ...]:
+        problem = apis_problem(v)
         if problem is not None:
             raise ValueError(problem)
         return v
@@ -363,6 +418,12 @@ class ShardSpec(_Wire):
     # CPU cores placement reserved for a shard with no GPU; 0 leaves it to the
     # profile's threads or the engine.
     threads: int = Field(default=0, ge=0)
+    # Which cores (logical CPU ids, as the kernel numbers them) a CPU shard computes on, set by
+    # the agent at start: placement reserves a count per node, and the agent picks that many
+    # of the CPUs it may run on that its other CPU shards do not hold. Kept in the record, so a
+    # restarted agent that adopts the engine keeps them and gives them to no other shard.
+    # Empty: not chosen (a spec built without an agent), and the engine binds no cores.
+    cpu_cores: tuple[int, ...] = ()
     # Directory the agent writes this shard's files into (Command.files);
     # empty means the directory the shard is started in.
     runtime_dir: str = ""
@@ -374,6 +435,13 @@ class ShardSpec(_Wire):
     # The fingerprint of the profile version this shard was started from;
     # carried, never read here.
     profile_fp: str = ""
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _cores_are_cpu_ids(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(c < 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError("cpu_cores must list distinct CPU ids, each 0 or more")
+        return v
 
     @model_validator(mode="after")
     def _uuids_name_the_indices(self) -> ShardSpec:

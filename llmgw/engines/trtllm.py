@@ -37,6 +37,7 @@ _RESERVED = (
 
 class TRTLLM(Engine):
     traits = EngineTraits(name="trtllm", multi_node=True, cpu=False, kv_events=False)
+    display_name = "TensorRT-LLM"
     # uvicorn serves only after the LLM is built: loading is a refused
     # connection (or a hang), never a status code.
     readiness = Readiness(loading_statuses=frozenset())

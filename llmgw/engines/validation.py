@@ -216,7 +216,7 @@ def _check_cpu(profile: Profile, traits: EngineTraits) -> None:
         raise _fail(
             profile,
             f"gpu_class is {profile.gpu_class!r} but engine {traits.name} does not run on "
-            f"CPU alone; use llamacpp or a GPU class",
+            f"CPU alone; use llamacpp or vllm, or a GPU class",
             "gpu_class",
         )
     if profile.tp != 1 or profile.pp_degree != 1 or profile.num_nodes != 1:

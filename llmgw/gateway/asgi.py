@@ -14,6 +14,7 @@ every node, so its API must not answer on an address published to clients.
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp
 
 from llmgw.config import GatewaySettings
 from llmgw.gateway.accounting import UsageRecorder
+from llmgw.gateway.apis.response_ids import ResponseIds
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.demand import DemandReporter
 from llmgw.gateway.errors import internal_error
@@ -32,6 +34,7 @@ from llmgw.gateway.routes import RouteCache
 from llmgw.gateway.routing.inputs import KvView
 from llmgw.gateway.tokenizer_files import TokenizerFilesCache
 from llmgw.http.request_log import RequestLog
+from llmgw.store.catalog import cluster_response_id_secret
 from llmgw.store.notify import NotifyHub
 
 __all__ = ["create_public_app"]
@@ -64,6 +67,15 @@ def create_public_app(
                                 flow=lambda: gateway.flow, clock=time.monotonic)  # fmt: skip
         starts.append(demand.start)
         stops.append(demand.stop)
+    # Response ids are signed with the cluster's secret, read before the listener serves, so
+    # a follow-up wrapped by any gateway of the cluster unwraps here.
+    response_ids = ResponseIds([os.urandom(32)])
+
+    async def load_response_id_secret() -> None:
+        async with sessions() as session:
+            response_ids.use([await cluster_response_id_secret(session)])
+
+    starts.insert(0, load_response_id_secret)
     gateway: Gateway[KeyContext] = Gateway(
         settings=settings,
         routes=routes,
@@ -75,5 +87,6 @@ def create_public_app(
         # Stopped in reverse: the demand report, routes, the recorder's final flush, the keys.
         starts=starts,
         stops=stops,
+        response_ids=response_ids,
     )
     return RequestLog(gateway, listener="public", internal_error=internal_error)

@@ -65,11 +65,13 @@ class DemandReporter:
                 held=d.held,
                 engine_waiting=d.engine_waiting,
                 hit_rate=d.hit_rate,
+                requests_per_s=d.requests_per_s,
             )
             for d in self._flow().snapshot()
         ]
-        # While anything is held the leader is woken on every report: a leader that took
-        # over meanwhile learns of it within a period, not only at its own tick.
+        # While anything is held (a model at zero replicas, an adapter loaded nowhere) the
+        # leader is woken on every report: a leader that took over meanwhile learns of it
+        # within a period, not only at its own tick.
         notify = any(r.held for r in rows)
         async with self._sessions() as session, session.begin():
             await write_demand(session, self._instance_id, rows, notify=notify)

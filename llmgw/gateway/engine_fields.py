@@ -25,13 +25,13 @@ those, so the two cannot disagree on them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
 from llmgw.errors import clip
+from llmgw.gateway.apis.chat_parts import json_type
 from llmgw.gateway.errors import GatewayError, bad_request
 
 __all__ = ["canonicalize"]
@@ -90,7 +90,7 @@ def canonicalize(body: dict[str, Any], *, chat: bool) -> None:
     if not isinstance(options, dict):
         raise bad_request(
             f'`stream_options` must be an object such as {{"include_usage": true}}; got '
-            f"{_json_type(options)}",
+            f"{json_type(options)}",
             param="stream_options",
         )
     for name, field in _STREAM_OPTIONS.items():
@@ -132,22 +132,4 @@ def _refused(name: str, value: object, field: _Field) -> GatewayError:
         want = "a whole number such as 256 (a float or string must hold a whole number)"
     if not field.nullable:
         want += ", not null"
-    return bad_request(f"`{name}` must be {want}; got {_json_type(value)}", param=name)
-
-
-def _json_type(value: object) -> str:
-    """The value's JSON type, in words: a client's value is not echoed (it may be anything,
-    a secret pasted into the wrong field included)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    return type(value).__name__
+    return bad_request(f"`{name}` must be {want}; got {json_type(value)}", param=name)

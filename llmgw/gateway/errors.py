@@ -21,6 +21,12 @@ message. The table below is the contract (status, ``type``, ``code``):
     503     api_error               no_ready_replica      nothing ready serves the model now
     503     api_error               model_overloaded      the model's queue is full or the wait too
                                                           long (Retry-After: the queue's drain time)
+    503     api_error               adapter_loading       a runtime LoRA adapter was still being
+                                                          placed or loaded when the wait ran out
+    503     api_error               adapter_load_failed   its load failed on every replica chosen
+                                                          (the engine's reason in the message)
+    503     api_error               adapter_unplaceable   no profile of its base model has
+                                                          adapter_slots
 
 The table is OpenAI's, not a rendering of ``llmgw.errors``' tree, on purpose: OpenAI answers a
 body that breaks a rule with 400 (the tree's ``SpecError`` is the admin API's 422), its codes
@@ -117,11 +123,13 @@ class GatewayError(Exception):
         )
 
     @classmethod
-    def model_not_found(cls, model: str) -> GatewayError:
+    def model_not_found(cls, model: str, hint: str = "") -> GatewayError:
+        """``hint``: the adapters the name may have meant (``runtime_adapters``), or ""."""
+        also = f"; {hint}" if hint else ""
         return cls(
             404,
-            f"the model {clip(model)!r} does not exist or this key may not use it; GET /v1/models "
-            "lists the models this key can use",
+            f"the model {clip(model)!r} does not exist or this key may not use it{also}; "
+            "GET /v1/models lists the models this key can use",
             type_="invalid_request_error",
             code="model_not_found",
             param="model",
@@ -200,6 +208,20 @@ def upstream_failed(model: str, why: str) -> GatewayError:
         f"the replica serving {model!r} failed: {why}; retry the request",
         type_="api_error",
         code="upstream_error",
+    )
+
+
+def adapter_not_loaded(adapter: str, base: str) -> GatewayError:
+    """503: every replica the route table said holds the runtime adapter answered that it does
+    not (an unload since the table was read, or a load not done): the leader and the agents
+    converge within seconds."""
+    return GatewayError(
+        503,
+        f"adapter {adapter!r} is being moved between replicas of model {base!r}; retry after "
+        f"the time in Retry-After (`llmgw get adapters {adapter}` shows where it is placed)",
+        type_="api_error",
+        code="adapter_loading",
+        retry_after_s=2.0,
     )
 
 

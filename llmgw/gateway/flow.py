@@ -30,6 +30,18 @@ the deployment's engine crash-loops, as ``store.routes`` reads it) answers the r
 for it at once, and refuses new ones, with 503 + Retry-After and that reason, instead of
 "overloaded" after the whole ``gateway.queue_timeout_s``.
 
+Runtime adapters (issue [lora]): a request for a declared adapter no ready replica has loaded
+(``ModelRoute.runtime`` with no endpoints) is held the same way while the leader places it and
+an agent loads it: ``on_hold`` wakes the leader, and the route NOTIFY that an agent's report of
+the load fires re-reads the table, so it leaves the queue for the replica that loaded it. Past
+``gateway.queue_timeout_s`` it is answered 503 ``adapter_loading`` naming the adapter; when its
+load failed on every replica the leader chose (``ModelRoute.adapter_blocked``) at once, with the
+engine's reason. Demand: each name's row counts its own requests, and a base model's row also
+its adapters' (queued, and held while the base itself has no ready replica; in flight and the
+engines' queues are per replica, so they were the base's already): the base's autoscaler sees
+all the load its replicas will run. Each name's recent request rate (``requests_per_s``, about
+a minute's moving average) is what the leader sizes an adapter's holders by.
+
 The gateway's own upstream pool (``gateway.upstream_pool_size`` connections, all replicas)
 bounds the sum as well, less a reserve for the load scrape and tokenizing: a request past
 the pool would wait for a connection inside aiohttp, unfairly and against the connect
@@ -77,6 +89,12 @@ _RETRY_AFTER_CEILING_S = 60.0
 # A wake the leader says cannot succeed needs an operator (a node, a fixed profile): retrying
 # sooner than the leader's next passes finds the same reason.
 _WAKE_BLOCKED_RETRY_S = 30.0
+# An adapter still loading when its held request's wait ran out: a load takes seconds.
+_ADAPTER_LOADING_RETRY_S = 5.0
+# Requests received per name: counted in windows of this long, each blended into a moving
+# average with this weight, so a window's count fades over about a minute.
+_RATE_WINDOW_S = 5.0
+_RATE_WEIGHT = _RATE_WINDOW_S / 60.0
 _MIB = 1024 * 1024
 # Weight of each routed request in a model's moving hit rate (~the last 50).
 _HIT_WEIGHT = 0.02
@@ -101,6 +119,8 @@ class Demand:
     hit_rate: float | None = None
     # What the model's engines reported waiting at the last scrape (their own queues).
     engine_waiting: int = 0
+    # Requests received for the name per second, a moving average over about a minute.
+    requests_per_s: float = 0.0
 
 
 class FlowControl:
@@ -125,6 +145,11 @@ class FlowControl:
         self._queued_tokens: dict[str, int] = {}
         # model -> clock() of its first held request while no replica was ready.
         self._held_since: dict[str, float] = {}
+        # name -> requests sent and not ended: an adapter's own in flight (a replica's count
+        # holds its base model's requests and every adapter's together).
+        self._sending: dict[str, int] = {}
+        # name -> requests received (``received``); names come from the route table.
+        self._rates: dict[str, DrainRate] = {}
         self._task: asyncio.Task[None] | None = None
         # Called when a model's first request is held (no ready replica): wakes the leader.
         self.on_hold: Callable[[], None] | None = None
@@ -142,14 +167,19 @@ class FlowControl:
         self._routes.update(table.routes)
         for model, queue in self._queues.items():
             held_for = table.routes.get(model)
-            if queue and held_for is not None and not held_for.endpoints and held_for.wake_blocked:
+            if queue and held_for is not None and _blocked(held_for):
                 self._answer_held(held_for, queue)
         now = self._clock()
         for model in [m for m in self._held_since if table.routes.get(m) is not None]:
-            if table.routes[model].endpoints:
-                woke = now - self._held_since.pop(model)
-                self._metrics.observe(self._metrics.wake_seconds, woke, model)
-                log.info("gateway_model_woken", model=model, waited_s=round(woke, 3))
+            route = table.routes[model]
+            if not route.endpoints:
+                continue
+            waited = round(now - self._held_since.pop(model), 3)
+            if route.runtime:  # no wake: a load on a replica already serving
+                log.info("gateway_adapter_loaded", adapter=model, waited_s=waited)
+                continue
+            self._metrics.observe(self._metrics.wake_seconds, waited, model)
+            log.info("gateway_model_woken", model=model, waited_s=waited)
         self.dispatch()
 
     async def start(self, refresh: Callable[[], object] | None = None) -> None:
@@ -217,12 +247,13 @@ class FlowControl:
         the request keeps alive while it waits (its parsed body, its prompt text), walked for
         its cost only if it is queued; ``size_bytes`` (its raw body) is the least it costs."""
         model = route.name
+        self.received(route)
         queue = self._queues.get(model)
         if route.endpoints and (queue is None or not queue) and self._model_room(route) > 0:
             self._granted[model] = self._granted.get(model, 0) + 1
             return
-        if not route.endpoints and route.wake_blocked:
-            raise self._wake_blocked(route)
+        if _blocked(route):
+            raise self._blocked_error(route)
         s = self._settings
         cost = await self._held_cost(model, size_bytes, held)
         if route.endpoints and self._model_room(route) > 0 and not self._queues.get(model):
@@ -254,12 +285,23 @@ class FlowControl:
             demand.held = len(queue)
         metrics = self._metrics
         metrics.add(metrics.queue_requests, 1, model, key_id)
+        # Held for a runtime adapter loaded nowhere: how its wait ends is counted.
+        loading = route.runtime and not route.endpoints
+        outcome = "gone"
         try:
             async with asyncio.timeout(s.queue_timeout_s):
                 await grant
+            outcome = "loaded"
         except TimeoutError:
+            outcome = "timeout"
             queue.remove(entry)
+            now_route = self._routes.get(model, route)
+            if now_route.runtime and not now_route.endpoints:
+                raise self._adapter_loading(now_route) from None
             raise self._shed(model, "queue_timeout", len(queue)) from None
+        except GatewayError:
+            outcome = "failed"  # answered with why it cannot load (``_answer_held``)
+            raise
         except asyncio.CancelledError:
             # exception(): a wake-blocked answer set as it was cancelled is read, not logged.
             if grant.done() and not grant.cancelled() and grant.exception() is None:
@@ -272,6 +314,8 @@ class FlowControl:
             self._queued_tokens[model] = max(0, left)
             metrics.add(metrics.queue_requests, -1, model, key_id)
             metrics.observe(metrics.queue_wait_seconds, self._clock() - now, model, key_id)
+            if loading:
+                metrics.inc(metrics.adapter_held_answered, model, outcome)
 
     async def _held_cost(self, model: str, size_bytes: int, held: tuple[object, ...]) -> int:
         """What the request would hold queued (its raw size at least), or the 429 of the
@@ -312,6 +356,29 @@ class FlowControl:
             self._granted[model] = left
         else:
             self._granted.pop(model, None)
+
+    def received(self, route: ModelRoute) -> None:
+        """A request for ``route`` reached admission: counted in its name's request rate, and
+        an adapter's in its base model's too (the base's replicas serve it)."""
+        now = self._clock()
+        for name in (route.name, route.base) if route.base != route.name else (route.name,):
+            rate = self._rates.get(name)
+            if rate is None:
+                rate = self._rates[name] = DrainRate(window_s=_RATE_WINDOW_S, weight=_RATE_WEIGHT)
+            rate.record(now)
+
+    def sending(self, model: str) -> None:
+        """A request for ``model`` is being sent (its grant handed over): in flight under its
+        own name until ``done``."""
+        self._sending[model] = self._sending.get(model, 0) + 1
+
+    def done(self, model: str) -> None:
+        """A request ``sending`` counted ended, however it ended."""
+        left = self._sending.get(model, 0) - 1
+        if left > 0:
+            self._sending[model] = left
+        else:
+            self._sending.pop(model, None)
 
     def routed(self, model: str, prompt_tokens: int, prefill: float) -> None:
         """A request was routed: ``prefill`` of its ``prompt_tokens`` are computed (the rest
@@ -409,17 +476,52 @@ class FlowControl:
             retry_after_s=_WAKE_BLOCKED_RETRY_S,
         )
 
+    def _adapter_loading(self, route: ModelRoute) -> GatewayError:
+        """503: a request held for a runtime adapter waited ``gateway.queue_timeout_s`` and no
+        ready replica has loaded it yet."""
+        self._metrics.inc(self._metrics.shed, route.name, "adapter_loading")
+        self.demand.setdefault(route.name, Demand(route.name)).shed += 1
+        base = self._routes.get(route.base)
+        if base is not None and not base.endpoints:
+            what = f"waits for a replica of model {route.base!r} to start and load it"
+        else:
+            what = f"is being loaded on a replica of model {route.base!r}"
+        return GatewayError(
+            503,
+            f"adapter {route.name!r} {what}; retry after the time in Retry-After "
+            f"(`llmgw get adapters {route.name}` shows where it is placed)",
+            type_="api_error",
+            code="adapter_loading",
+            retry_after_s=_ADAPTER_LOADING_RETRY_S,
+        )
+
+    def _blocked_error(self, route: ModelRoute) -> GatewayError:
+        """503: nothing will serve ``route`` while a request waits (``_blocked``): its wake
+        cannot succeed, or its runtime adapter will not load."""
+        blocked = route.adapter_blocked
+        if route.wake_blocked or blocked is None:
+            return self._wake_blocked(route)
+        self._metrics.inc(self._metrics.shed, route.name, blocked.code)
+        return GatewayError(
+            503,
+            blocked.message,
+            type_="api_error",
+            code=blocked.code,
+            retry_after_s=_WAKE_BLOCKED_RETRY_S,
+        )
+
     def _answer_held(self, route: ModelRoute, queue: FairQueue[asyncio.Future[None]]) -> None:
-        """Every request held for ``route`` is answered with why its wake cannot succeed."""
+        """Every request held for ``route`` is answered with why nothing will serve it."""
         answered = 0
         while (entry := queue.pop()) is not None:
             if not entry.item.done():
-                entry.item.set_exception(self._wake_blocked(route))
+                entry.item.set_exception(self._blocked_error(route))
                 answered += 1
         if answered:
+            blocked = route.adapter_blocked
             log.info(
                 "gateway_held_answered", model=route.name, requests=answered,
-                reason=route.wake_blocked,
+                reason=route.wake_blocked or (blocked.message if blocked else ""),
             )  # fmt: skip
 
     def shed_busy(self, model: str) -> GatewayError:
@@ -429,26 +531,53 @@ class FlowControl:
     def _report(self) -> None:
         metrics = self._metrics
         load = self._load
+        now = self._clock()
         for replica in self._replicas():
             metrics.gauge(metrics.admitted_in_flight, load.in_flight.get(replica, 0), replica)
             limit = self.windows.limit(replica)
             if limit is not None:
                 metrics.gauge(metrics.admission_limit, limit, replica)
+        adapters: dict[str, list[str]] = {}  # base model -> its adapters' names
+        for model, route in self._routes.items():
+            if route.lora is not None and route.base != model and route.base in self._routes:
+                adapters.setdefault(route.base, []).append(model)
         for model, route in self._routes.items():
             demand = self.demand.setdefault(model, Demand(model))
-            demand.queued = len(self._queues.get(model) or ())
-            demand.in_flight = sum(load.in_flight.get(ep.replica, 0) for ep in route.endpoints)
-            demand.held = 0 if route.endpoints else demand.queued
-            if not route.endpoints and not demand.queued:
+            queued = len(self._queues.get(model) or ())
+            tokens = self._queued_tokens.get(model, 0)
+            if not route.endpoints and not queued:
                 self._held_since.pop(model, None)  # they gave up: the next wait starts anew
+            rate = self._rates.get(model)
+            demand.requests_per_s = rate.rate(now) if rate is not None else 0.0
+            hit = demand.hit_rate or 0.0
+            if route.lora is not None:
+                # An adapter's own requests only: what its replicas run and queue is counted
+                # per replica, under its base model (below).
+                demand.queued = queued
+                demand.in_flight = self._sending.get(model, 0)
+                demand.held = 0 if route.endpoints else queued
+                demand.engine_waiting = 0
+                demand.queued_prefill_tokens = tokens
+                demand.uncached_prefill_tokens = int(tokens * (1.0 - hit))
+                held = metrics.adapter_held_requests if route.runtime else metrics.held_requests
+                metrics.gauge(held, demand.held, model)
+                continue
+            # A model's row with its adapters' queues: its replicas will run them, and its
+            # autoscaler must see them (a request held for an adapter of a model at zero
+            # replicas wakes the model).
+            for adapter in adapters.get(model, ()):
+                queued += len(self._queues.get(adapter) or ())
+                tokens += self._queued_tokens.get(adapter, 0)
+            demand.queued = queued
+            demand.in_flight = sum(load.in_flight.get(ep.replica, 0) for ep in route.endpoints)
+            demand.held = 0 if route.endpoints else queued
             metrics.gauge(metrics.held_requests, demand.held, model)
             demand.engine_waiting = sum(load.waiting.get(ep.replica, 0) for ep in route.endpoints)
             # What was sent and is not past prefill is exactly the uncached part (the router
             # counts a request's computed tokens); what waits here is discounted by hit rate.
             sent = int(sum(load.prefill.get(ep.replica, 0.0) for ep in route.endpoints))
-            queued = self._queued_tokens.get(model, 0)
-            demand.queued_prefill_tokens = queued + sent
-            demand.uncached_prefill_tokens = sent + int(queued * (1.0 - (demand.hit_rate or 0.0)))
+            demand.queued_prefill_tokens = tokens + sent
+            demand.uncached_prefill_tokens = sent + int(tokens * (1.0 - hit))
 
     def _replicas(self) -> Iterable[str]:
         seen: set[str] = set()
@@ -460,6 +589,12 @@ class FlowControl:
         """Every model's demand now, for the periodic report to Postgres."""
         self._report()
         return [replace(d) for d in self.demand.values()]
+
+
+def _blocked(route: ModelRoute) -> bool:
+    """Whether nothing will serve ``route`` while a request waits: no ready replica, and its
+    wake cannot succeed or its runtime adapter will not load."""
+    return not route.endpoints and bool(route.wake_blocked or route.adapter_blocked)
 
 
 _SHED_WHY = {
@@ -474,13 +609,24 @@ class Charged:
     model queue's fairness counter: a key is ordered by the tokens it was served (its prompt
     was charged when it was routed)."""
 
-    __slots__ = ("_admission", "_flow", "_key_id", "_model")
+    __slots__ = ("_admission", "_flow", "_key_id", "_model", "reserved_output")
 
-    def __init__(self, admission: Settleable, flow: FlowControl, model: str, key_id: str):
+    def __init__(
+        self,
+        admission: Settleable,
+        flow: FlowControl,
+        model: str,
+        key_id: str,
+        *,
+        reserved_output: int = 0,
+    ):
         self._admission = admission
         self._flow = flow
         self._model = model
         self._key_id = key_id
+        # The output tokens reserved for it: what an answer without usage is charged where
+        # the engine goes on generating after it (a background response).
+        self.reserved_output = reserved_output
 
     def settle(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         self._flow.charge(self._model, self._key_id, completion_tokens)

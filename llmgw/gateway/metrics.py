@@ -47,7 +47,11 @@ class GatewayMetrics:
     shed: Counter
     busy: Counter
     held_requests: Gauge
+    adapter_held_requests: Gauge
+    adapter_held_answered: Counter
     wake_seconds: Histogram
+    api_requests: Counter
+    api_request_seconds: Histogram
     # (metric, label values) -> child: prometheus_client's labels() takes a lock and builds a
     # key on every call, a measurable share of the gateway's per-request CPU.
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict)
@@ -70,6 +74,11 @@ class GatewayMetrics:
 
     def gauge(self, metric: Gauge, value: float, *labels: str) -> None:
         self._child(metric, labels).set(value)
+
+    def api_request(self, api: str, status: int, seconds: float) -> None:
+        """One request of the public listener's API families, however it ended."""
+        self._child(self.api_requests, (api, str(status))).inc()
+        self._child(self.api_request_seconds, (api,)).observe(seconds)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> GatewayMetrics:
@@ -223,8 +232,10 @@ class GatewayMetrics:
             ),
             shed=Counter(
                 "llmgw_gateway_shed",
-                "Requests shed by reason: 503 for queue_requests, queue_timeout, replica_busy "
-                "and wake_blocked; 429 for the memory bounds queue_bytes and queue_bytes_total.",
+                "Requests shed by reason: 503 for queue_requests, queue_timeout, replica_busy, "
+                "wake_blocked, and for a runtime adapter adapter_loading (still loading when "
+                "the wait ran out), adapter_load_failed and adapter_unplaceable; 429 for the "
+                "memory bounds queue_bytes and queue_bytes_total.",
                 ["model", "reason"],
                 registry=registry,
             ),
@@ -237,8 +248,27 @@ class GatewayMetrics:
             ),
             held_requests=Gauge(
                 "llmgw_gateway_held_requests",
-                "Requests held for an autoscaled model with no ready replica, by model.",
+                "Requests held for an autoscaled model with no ready replica, by model (a "
+                "model's row counts its adapters' too; a runtime adapter's own are "
+                "llmgw_gateway_adapter_held_requests).",
                 ["model"],
+                registry=registry,
+            ),
+            adapter_held_requests=Gauge(
+                "llmgw_gateway_adapter_held_requests",
+                "Requests held for a runtime LoRA adapter (kind: adapter) that no ready "
+                "replica has loaded, while the leader places it and an agent loads it, by "
+                "adapter.",
+                ["adapter"],
+                registry=registry,
+            ),
+            adapter_held_answered=Counter(
+                "llmgw_gateway_adapter_held_answered",
+                "Requests held for a runtime LoRA adapter, by how their wait ended (outcome: "
+                "loaded, a replica loaded it and the request went on; timeout, "
+                "gateway.queue_timeout_s ran out; failed, its load failed on every replica "
+                "the leader chose, answered at once; gone, the client left).",
+                ["adapter", "outcome"],
                 registry=registry,
             ),
             wake_seconds=Histogram(
@@ -247,6 +277,21 @@ class GatewayMetrics:
                 "zero or a wake from suspend, as this gateway saw it).",
                 ["model"],
                 buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+                registry=registry,
+            ),
+            api_requests=Counter(
+                "llmgw_gateway_api_requests",
+                "Requests to the public listener's API routes, by API family (chat, "
+                "completions, responses, messages, count_tokens, embeddings, rerank, score; "
+                "_unknown for a path none serves) and status code (499: the client left).",
+                ["api", "status"],
+                registry=registry,
+            ),
+            api_request_seconds=Histogram(
+                "llmgw_gateway_api_request_seconds",
+                "Time from request to the end of the answer, by API family.",
+                ["api"],
+                buckets=_LATENCY_BUCKETS,
                 registry=registry,
             ),
         )

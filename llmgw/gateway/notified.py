@@ -17,6 +17,7 @@ succeeds again.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 from llmgw.eventloop import cancel_and_wait, wait_event
@@ -31,6 +32,9 @@ log = get_logger("llmgw.gateway")
 # A failed refresh is retried after base * 2**failures seconds, at most this (or refresh_s).
 _RETRY_BASE_S = 0.25
 _RETRY_MAX_S = 5.0
+# Reads that ``catch_up`` asks for start at least this far apart: a client naming things that
+# do not exist costs the database at most a few reads a second per process, however fast it asks.
+_CATCH_UP_GAP_S = 0.25
 
 
 class NotifiedCache:
@@ -55,6 +59,8 @@ class NotifiedCache:
         self._subscription = Subscription(channels, self._wake.set, on_connect=self._wake.set)
         # Set while the hub LISTENs on this cache's channels: NOTIFYs sent from then on reach it.
         self.listening = self._subscription.listening
+        self._read_started = float("-inf")  # time.monotonic() when the last read began
+        self._catching_up: asyncio.Task[None] | None = None
 
     @property
     def failing(self) -> bool:
@@ -67,7 +73,28 @@ class NotifiedCache:
     def holds(self) -> int:
         raise NotImplementedError
 
+    async def catch_up(self) -> None:
+        """Return once a read that began after this call has finished (or failed): for a
+        lookup that missed, since the NOTIFY of a change committed just before it may not have
+        been read yet (an adapter applied, then asked for at once). Concurrent callers share
+        one read, and such reads start at least ``_CATCH_UP_GAP_S`` apart."""
+        asked = time.monotonic()
+        while self._read_started < asked:
+            if self._catching_up is None or self._catching_up.done():
+                self._catching_up = asyncio.create_task(
+                    self._catch_up_read(), name=f"gateway-{self._what}-catch-up"
+                )
+            # Shielded: one caller going away (a client hung up) does not cancel the others' read.
+            await asyncio.shield(self._catching_up)
+
+    async def _catch_up_read(self) -> None:
+        wait = self._read_started + _CATCH_UP_GAP_S - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        await self._refresh_quietly()
+
     async def _refresh_quietly(self, *, first: bool = False) -> None:
+        self._read_started = time.monotonic()
         try:
             await self.refresh()
         except Exception as exc:  # the database may be down: keep serving what we hold
@@ -95,6 +122,8 @@ class NotifiedCache:
             self._notify.remove(self._subscription)
         task, self._task = self._task, None
         await cancel_and_wait(task)
+        catching_up, self._catching_up = self._catching_up, None
+        await cancel_and_wait(catching_up)
 
     def _pause_s(self) -> float:
         if not self._failures:

@@ -18,15 +18,20 @@ headers went out is an event of the stream).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 from starlette.types import Receive, Send
 
 from llmgw.errors import clip
+from llmgw.gateway.apis import usage as api_usage
+from llmgw.gateway.apis.anthropic_errors import anthropic_sse_error
+from llmgw.gateway.apis.families import ApiName
+from llmgw.gateway.apis.response_ids import ResponseIds
 from llmgw.gateway.errors import engine_error, sse_error_event, upstream_failed
 from llmgw.gateway.metrics import GatewayMetrics
-from llmgw.gateway.routes import ModelRoute
+from llmgw.gateway.routes import Endpoint, ModelRoute
 from llmgw.gateway.upstream import Attempt, Upstream, engine_said
 from llmgw.gateway.wire import (
     Settleable,
@@ -39,6 +44,10 @@ from llmgw.gateway.wire import (
 from llmgw.logs import get_logger
 
 __all__ = ["DisconnectWatch", "Relay"]
+
+# Reads one read's complete events of a stream: counts and captures into the state, returns
+# what goes to the client (``wire.filter_events``' signature).
+_Reader = Callable[[bytes, StreamState, bool, Callable[[], float]], bytes]
 
 log = get_logger("llmgw.gateway")
 
@@ -84,22 +93,39 @@ class Relay:
     failure, on the replica (``upstream.failed``)."""
 
     def __init__(
-        self, upstream: Upstream, metrics: GatewayMetrics, clock: Callable[[], float]
+        self,
+        upstream: Upstream,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        response_ids: ResponseIds | None = None,
     ) -> None:
         self._upstream = upstream
         self._metrics = metrics
         self._clock = clock
+        self._ids = response_ids
 
     async def whole(
-        self, attempt: Attempt, send: Send, admission: Settleable, route: ModelRoute, t0: float
+        self,
+        attempt: Attempt,
+        send: Send,
+        admission: Settleable,
+        route: ModelRoute,
+        t0: float,
+        *,
+        api: ApiName = "chat",
+        scope: str = "",
+        running_charge: tuple[int, int] = (0, 0),
     ) -> None:
         """A non-streamed answer (or a stream's refusal), passed on as the replica sent it; a
         5xx becomes the gateway's 502: ``engine_error`` (not to retry) when the engine itself
-        answered it, ``upstream_error`` when it failed on the way (``upstream.engine_said``)."""
+        answered it, ``upstream_error`` when it failed on the way (``upstream.engine_said``).
+        ``running_charge``: (prompt, output) tokens charged for a Responses answer that is a
+        response still running (``background: true``), whose usage no answer will carry: the
+        key pays its reservation, as it would for a stream it walked away from."""
         resp, ep = attempt.resp, attempt.ep
         metrics = self._metrics
         try:
-            raw = await resp.read()
+            raw = attempt.body if attempt.body is not None else await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             self._upstream.failed(route, ep, "midstream")
             raise upstream_failed(route.name, f"reading the answer: {type(exc).__name__}") from None
@@ -115,8 +141,16 @@ class Relay:
             log.warning("gateway_engine_error", model=route.name, replica=ep.replica,
                         status=status, message=clip(said))  # fmt: skip
             raise engine_error(route.name, status, said)
-        usage = usage_of(raw) if status == 200 else None
-        settle(admission, usage, completion_fallback=0, prompt_fallback=0)
+        usage = _usage_of(api, raw) if status == 200 else None
+        prompt, output = 0, 0
+        if usage is None and api == "responses" and status == 200 and api_usage.still_running(raw):
+            prompt, output = running_charge
+            log.info("gateway_background_response_charged", model=route.name,
+                     replica=ep.replica, prompt_tokens=prompt, completion_tokens=output)  # fmt: skip
+        settle(admission, usage, completion_fallback=output, prompt_fallback=prompt)
+        if api == "responses" and status == 200 and self._ids is not None:
+            # The engine's response ids become ones that name this replica (apis.response_ids).
+            raw = self._ids.rewrite_answer(raw, ep.replica, scope=scope, incarnation=ep.incarnation)
         ctype = resp.headers.get("Content-Type", "application/json").encode()
         await send(
             {
@@ -139,6 +173,9 @@ class Relay:
         client_usage: bool,
         prompt_tokens: int,
         t0: float,
+        *,
+        api: ApiName = "chat",
+        scope: str = "",
     ) -> None:
         """A 200 stream, event by event; settled on any end, a client's disconnect included."""
         ep = attempt.ep
@@ -155,7 +192,7 @@ class Relay:
             }
         )
         try:
-            await self._pump(attempt, send, state, client_usage, route)
+            await self._pump(attempt, send, state, client_usage, route, api, scope)
         except asyncio.CancelledError:
             if not watch.caused_cancel():
                 raise
@@ -183,10 +220,13 @@ class Relay:
         state: StreamState,
         client_usage: bool,
         route: ModelRoute,
+        api: ApiName,
+        scope: str,
     ) -> None:
         resp, ep = attempt.resp, attempt.ep
         clock = self._clock
         pending = b""
+        read = self._reader(api, ep, scope)
         try:
             async for data in resp.content.iter_any():
                 pending += data
@@ -194,7 +234,7 @@ class Relay:
                 if cut < 0:
                     continue
                 events, pending = pending[: cut + 2], pending[cut + 2 :]
-                out = filter_events(events, state, client_usage, clock)
+                out = read(events, state, client_usage, clock)
                 if state.first_at is not None and (attempt.prefill or attempt.claim):
                     # The first token: this prompt's prefill no longer queues anyone, and
                     # its blocks are on their way to the index.
@@ -206,16 +246,48 @@ class Relay:
             self._upstream.failed(route, ep, "midstream")
             log.warning("gateway_stream_failed", model=route.name, replica=ep.replica,
                         error=type(exc).__name__)  # fmt: skip
-            error = sse_error_event(
+            message = (
                 f"the replica serving {route.name!r} failed mid-stream "
-                f"({type(exc).__name__}); the answer is incomplete",
-                type_="api_error",
-                code="upstream_error",
+                f"({type(exc).__name__}); the answer is incomplete"
             )
+            if api == "messages":
+                error = anthropic_sse_error(502, message)
+            else:
+                error = sse_error_event(message, type_="api_error", code="upstream_error")
             await send({"type": "http.response.body", "body": error, "more_body": True})
         else:
             if pending.strip():
-                out = filter_events(pending, state, client_usage, clock)
+                out = read(pending, state, client_usage, clock)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _reader(self, api: ApiName, ep: Endpoint, scope: str) -> _Reader:
+        """How a stream of ``api`` is read: chat's and completions' chunks (``wire``), or
+        the family's own events (``apis.usage``), a Responses stream's ids wrapped."""
+        if api in ("chat", "completions"):
+            return filter_events
+        reader = api_usage.stream_reader(api)
+        ids = self._ids
+        if api != "responses" or ids is None:
+            return reader
+
+        def responses(
+            events: bytes, state: StreamState, client_usage: bool, clock: Callable[[], float]
+        ) -> bytes:
+            return ids.rewrite_events(
+                reader(events, state, client_usage, clock),
+                ep.replica,
+                scope=scope,
+                incarnation=ep.incarnation,
+            )
+
+        return responses
+
+
+def _usage_of(api: ApiName, raw: bytes) -> Mapping[str, Any] | None:
+    """A whole answer's usage in the chat shape ``settle`` reads."""
+    if api in ("chat", "completions"):
+        return usage_of(raw)
+    found = api_usage.usage_of(api, raw)
+    return found.as_openai() if found is not None else None

@@ -82,10 +82,13 @@ class RouteStep:
         salt: str | None,
         session: str | None,
         estimate: int,
+        by_prefix: bool = True,
     ) -> Routed:
         """The replica among ``eps`` for the request, and what of its prompt it computes.
         ``salt``: its cache salt (salted prompts share nothing); ``session``: the session it
-        names; ``estimate``: the prompt's length in tokens from its characters."""
+        names; ``estimate``: the prompt's length in tokens from its characters; ``by_prefix``:
+        False for a request no cache serves (pooling, counting, a pinned follow-up), chosen by
+        load alone."""
         policy = self.rule.policy
         load = self._load
         cands = [
@@ -99,10 +102,10 @@ class RouteStep:
         approx: dict[str, float] | None = None
         tokens: list[int] | None = None
         # Scored before tokenizing: the tree as it stood when the request came.
-        if policy in TREE_POLICIES and prompt.text:
+        if by_prefix and policy in TREE_POLICIES and prompt.text:
             chunks = self._tree.chunks(prompt.text)
             approx = self._tree.score(key, chunks, [c.replica for c in cands], now=now)
-        if policy in INDEX_POLICIES and not prompt.multimodal:
+        if by_prefix and policy in INDEX_POLICIES and not prompt.multimodal and prompt.text:
             tokens = await self._tokens.ids(route, eps, body, prompt, chat)
         prefix = NO_PREFIX
         if chunks is not None or tokens is not None:

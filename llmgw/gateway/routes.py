@@ -1,17 +1,21 @@
 """The gateway's route table: which replicas serve which model name, cached in memory.
 
-Two statements (``store.routes``) read every live rank-0 shard with its replica's state and
-its launch spec's profile, and every deployment's names; ``build_table`` (pure) turns the rows
-into a name -> ``ModelRoute`` map: the served model name and every LoRA adapter name (adapters
-route to replicas of the base model that load them; models and adapters share one namespace,
-and a name claimed by both routes as the model).
+Three statements (``store.routes``) read every live rank-0 shard with its replica's state, its
+launch spec's profile and its runtime adapters, every deployment's names, and every declared
+adapter; ``build_table`` (pure) turns the rows into a name -> ``ModelRoute`` map: the served
+model name and every LoRA adapter name (adapters route to replicas of the base model that load
+them; models and adapters share one namespace, and a name claimed by both routes as the model).
+A profile's static adapters route to every ready replica launched with them; a declared adapter
+(``kind: adapter``, loaded at runtime where the leader places it) only to the ready replicas
+whose engine reports it loaded (``runtime_adapters``), and with none, requests wait in flow
+control while it is placed and loaded (issue [lora]).
 A replica is *ready* (the statement decides) when it is active (not draining or stopping), its
 shard is desired running, its agent reports the shard ready and gives a proxy URL. Names of deployments whose
 replicas are all unready (or that have none: scaled to zero, all replaced in a rollout) stay in
 the table, so a client gets 503 (retry) instead of 404 (wrong name).
-Each replica's admission ceiling and each name's ``tokenizer_none`` (a profile serving it says
-``tokenizer: none``) are the profiles' live values, so an edit reaches the gateways within
-seconds without a roll.
+Each replica's admission ceiling, each name's ``tokenizer_none`` (a profile serving it says
+``tokenizer: none``) and each name's ``apis`` (the API families the profiles serving it serve)
+are the profiles' live values, so an edit reaches the gateways within seconds without a roll.
 
 ``RouteCache`` re-reads every ``refresh_s`` and at once on a NOTIFY of the desired-state
 channel (a drain, a new deployment), through the process's ``NotifyHub`` (``notified``).
@@ -32,17 +36,27 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from llmgw.engines import ANY_ENGINE_LOAD_METRICS, LoadMetrics
+from llmgw.engines import ANY_ENGINE_LOAD_METRICS, API_GENERATE, LoadMetrics
 from llmgw.gateway.notified import NotifiedCache
 from llmgw.gateway.routing.router import HashParams
+from llmgw.gateway.runtime_adapters import AdapterBlocked, adapter_blocked, loaded_adapters
 from llmgw.kv.hashing import ExtraKeyFormat
 from llmgw.logs import get_logger
 from llmgw.store.catalog import CHANGE_CHANNEL, ROUTES_CHANNEL
 from llmgw.store.notify import NotifyHub
-from llmgw.store.routes import DeclaredRow, RouteRow, read_declared, read_routes
+from llmgw.store.routes import (
+    AdapterRow,
+    DeclaredRow,
+    RouteRow,
+    read_adapters,
+    read_declared,
+    read_routes,
+)
 
 __all__ = [
+    "UNKNOWN_APIS",
     # The rows build_table takes, read by store.routes.
+    "AdapterRow",
     "DeclaredRow",
     "Endpoint",
     "ModelRoute",
@@ -65,7 +79,9 @@ class Endpoint:
     api_key: str = field(repr=False)  # shards.engine_api_key: the proxy demands it
     index_model: str  # the name the KV index files this shard's blocks under
     hash: HashParams | None  # None: the profile has no kv_events, precise routing impossible
-    adapters: Mapping[str, str]  # LoRA name -> path, as the engine was given them
+    # LoRA name -> path, as the engine was given them: its profile's static adapters and the
+    # declared ones its agent reports loaded (the declared path, which the agent loads from).
+    adapters: Mapping[str, str]
     # The engine process behind it (boot id, pid, start time): a new one has an empty KV cache.
     incarnation: str = ""
     # Admission ceiling: requests running plus waiting it takes from all gateways together.
@@ -73,6 +89,11 @@ class Endpoint:
     # Where its engine's /metrics reports running and waiting requests (the engine's adapter
     # says, ``store.routes``): the load scrape reads these names, no others.
     load_metrics: LoadMetrics = ANY_ENGINE_LOAD_METRICS
+
+
+# The API families of a name no row says anything about (every profile serving it unreadable):
+# generation, what every engine serves by default and all the gateway served before families.
+UNKNOWN_APIS: frozenset[str] = frozenset({API_GENERATE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +112,28 @@ class ModelRoute:
     # Why a wake of this name cannot succeed, as the leader knows it (``wake_blocked``); "":
     # nothing known against it. Held requests are answered with it (flow control).
     wake_blocked: str = ""
+    # The API families (``llmgw.engines.API_GROUPS``) the name is served for: the union over
+    # the profiles serving it (each live replica's launching profile and each deployment's),
+    # an adapter its base model's. A request of another family gets a 404 naming the routes
+    # these serve, before it waits for or reaches any replica.
+    apis: frozenset[str] = UNKNOWN_APIS
+    # A declared adapter (``kind: adapter``) the leader places and agents load at runtime:
+    # ``endpoints`` are the base's ready replicas whose engine reports it loaded, and with
+    # none a request is held (``wakeable``) while it is placed and loaded.
+    runtime: bool = False
+    # Why the runtime adapter will not load while a request waits (its load failed on every
+    # replica the leader chose; no profile of its base has adapter slots): held requests are
+    # answered with it at once, new ones refused (flow control). None: nothing against it.
+    adapter_blocked: AdapterBlocked | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RouteTable:
     routes: Mapping[str, ModelRoute]
     read_at: float  # time.monotonic() of the read; 0.0: never read
+    # Every adapter name (static and declared) -> its base model's route name: what a 404's
+    # hint lists (``runtime_adapters.unknown_model_hint``).
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> ModelRoute | None:
         return self.routes.get(name)
@@ -152,16 +189,31 @@ def wake_blocked(d: DeclaredRow) -> str:
 
 
 def build_table(
-    rows: Iterable[RouteRow], *, read_at: float, declared: Iterable[DeclaredRow] = ()
+    rows: Iterable[RouteRow],
+    *,
+    read_at: float,
+    declared: Iterable[DeclaredRow] = (),
+    adapters: Iterable[AdapterRow] = (),
 ) -> RouteTable:
-    """Pure: the rows of ``store.routes.read_routes`` (and ``read_declared``) -> the table."""
+    """Pure: the rows of ``store.routes.read_routes`` (with ``read_declared`` and
+    ``read_adapters``) -> the table."""
+    rows = list(rows)
+    declared = list(declared)
+    runtime = {a.name: a for a in adapters}
     models: dict[str, list[Endpoint]] = {}
-    adapters: dict[str, tuple[str, str, list[Endpoint]]] = {}
+    statics: dict[str, tuple[str, str, list[Endpoint]]] = {}
     wakeable: set[str] = set()
     no_local: set[str] = set()  # names a profile serving them says `tokenizer: none` for
     blocked: dict[str, str] = {}  # name -> why its wake cannot succeed
+    served: dict[str, set[str]] = {}  # served name -> the API families its profiles serve
+    of_model: dict[str, set[str]] = {}  # model -> the served names its replicas answer to
+    slots: set[str] = set()  # served names a profile with adapter slots serves
     for d in declared:
         models.setdefault(d.name, [])
+        served.setdefault(d.name, set()).update(d.apis)
+        of_model.setdefault(d.model or d.name, set()).add(d.name)
+        if d.adapter_slots > 0:
+            slots.add(d.name)
         if why := wake_blocked(d):
             blocked[d.name] = why
             blocked.update((lora, why) for lora, _ in d.adapters)
@@ -172,7 +224,8 @@ def build_table(
             wakeable.add(d.name)
             wakeable.update(lora for lora, _ in d.adapters)
         for lora, path in d.adapters:
-            adapters.setdefault(lora, (d.name, path, []))
+            statics.setdefault(lora, (d.name, path, []))
+    by_name: dict[str, list[RouteRow]] = {}  # served name -> its live rank-0 shards
     for row in rows:
         name = served_name(row.profile, row.index_model)
         if not name:
@@ -190,19 +243,26 @@ def build_table(
             api_key=row.api_key,
             index_model=row.index_model or name,
             hash=_hash_params(row.profile),
-            adapters=loras,
+            # A static adapter keeps its launched path where a declared one has its name (the
+            # admin API refuses that; the static route wins below).
+            adapters={**loaded_adapters(row, runtime), **loras},
             incarnation=row.incarnation,
             max_in_flight=row.max_in_flight or 1 << 20,
             load_metrics=row.load_metrics,
         )
+        by_name.setdefault(name, []).append(row)
+        of_model.setdefault(row.index_model or name, set()).add(name)
+        if row.adapter_slots > 0:
+            slots.add(name)
         if row.tokenizer_none:
             no_local.add(name)
             no_local.update(loras)
+        served.setdefault(name, set()).update(row.apis)
         eps = models.setdefault(name, [])
         if row.ready:
             eps.append(ep)
         for lora, path in loras.items():
-            _, _, lora_eps = adapters.setdefault(lora, (name, path, []))
+            _, _, lora_eps = statics.setdefault(lora, (name, path, []))
             if row.ready:
                 lora_eps.append(ep)
     routes: dict[str, ModelRoute] = {}
@@ -215,8 +275,9 @@ def build_table(
             name in wakeable,
             name in no_local,
             blocked.get(name, ""),
+            frozenset(served.get(name) or UNKNOWN_APIS),
         )
-    for lora, (base, path, eps) in adapters.items():
+    for lora, (base, path, eps) in statics.items():
         if lora in routes:
             log.warning("gateway_name_conflict", name=lora, kept="model", dropped="adapter")
             continue
@@ -229,8 +290,61 @@ def build_table(
             # An adapter's prompts are tokenized with its base model's files.
             lora in no_local or base in no_local,
             blocked.get(lora, ""),
+            # An adapter runs in its base model's processes: it serves what they serve.
+            frozenset(served.get(base) or UNKNOWN_APIS),
         )
-    return RouteTable(routes, read_at)
+    for adapter in runtime.values():
+        if (kept := routes.get(adapter.name)) is not None:
+            # The admin API refuses a declared adapter named as a model or a static adapter;
+            # rows that say both anyway keep what already serves.
+            log.warning(
+                "gateway_name_conflict", name=adapter.name,
+                kept="model" if kept.lora is None else "static adapter",
+                dropped="declared adapter",
+            )  # fmt: skip
+            continue
+        route = _base_route(routes, of_model.get(adapter.model), adapter.model)
+        if route is not None:
+            routes[adapter.name] = _runtime_route(
+                adapter, route, by_name.get(route.name, []), slots=route.name in slots
+            )
+    names = {n: r.base for n, r in routes.items() if r.lora is not None}
+    return RouteTable(routes, read_at, names)
+
+
+def _base_route(
+    routes: Mapping[str, ModelRoute], names: set[str] | None, model: str
+) -> ModelRoute | None:
+    """The route a declared adapter of ``model`` belongs to: the one named as the model, else
+    (a profile with a served_model_name) the first of its served names. None: the model is
+    not routed (no deployment, no replica), so neither is the adapter (404)."""
+    for name in sorted(names or (), key=lambda n: (n != model, n)):
+        route = routes.get(name)
+        if route is not None and route.lora is None:
+            return route
+    return None
+
+
+def _runtime_route(
+    adapter: AdapterRow, base: ModelRoute, rows: list[RouteRow], *, slots: bool
+) -> ModelRoute:
+    """A declared adapter's route: its base's ready replicas whose engine reports it loaded."""
+    eps = tuple(ep for ep in base.endpoints if adapter.name in ep.adapters)
+    return ModelRoute(
+        adapter.name,
+        base.name,
+        (adapter.name, adapter.path),
+        eps,
+        # Held while it is placed and loaded: at once where its base serves, else as long as
+        # its base would be held (a wake from zero, then a load).
+        wakeable=bool(base.endpoints) or base.wakeable,
+        tokenizer_none=base.tokenizer_none,
+        # Its base's wake trouble blocks it only while no replica of the base is ready.
+        wake_blocked="" if base.endpoints else base.wake_blocked,
+        apis=base.apis,
+        runtime=True,
+        adapter_blocked=None if eps else adapter_blocked(adapter, rows, slots=slots),
+    )
 
 
 class RouteCache(NotifiedCache):
@@ -244,7 +358,8 @@ class RouteCache(NotifiedCache):
         notify: NotifyHub | None,
         refresh_s: float,
     ) -> None:
-        # Admin changes (names, adapters) and route changes (replicas' states).
+        # Admin changes (names, adapters) and route changes (replicas' states, the adapters
+        # their engines load: the shards trigger fires on observed_adapters).
         super().__init__(
             "routes",
             notify=notify,
@@ -259,7 +374,10 @@ class RouteCache(NotifiedCache):
         async with self._sessions() as session, session.begin():
             rows = await read_routes(session)
             declared = await read_declared(session)
-        self.table = build_table(rows, read_at=time.monotonic(), declared=declared)
+            adapters = await read_adapters(session)
+        self.table = build_table(
+            rows, read_at=time.monotonic(), declared=declared, adapters=adapters
+        )
         self.changed.set()
 
     def holds(self) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from llmgw.config import GatewaySettings
-from llmgw.gateway.errors import upstream_failed
+from llmgw.gateway.errors import adapter_not_loaded, upstream_failed
 from llmgw.gateway.load import LoadTracker, RetryBudget
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.pool import create_client, read_capped
@@ -61,6 +61,9 @@ class Attempt:
     resp: aiohttp.ClientResponse
     prefill: float  # prompt tokens the replica computes, counted as its work until the 1st token
     claim: Claim | None  # the prompt's claim in the ``computing`` tree, until the 1st token
+    # The answer's body when it was read already (a 404 or 502 read to tell the agent's proxy
+    # from the engine): ``resp`` has none left, and the engine's own answer is this.
+    body: bytes | None = None
 
 
 # The agent proxy's answers that mean "the request never reached an engine": it could not
@@ -130,10 +133,13 @@ class Upstream:
         prefill: float,
         prompt_tokens: int,
         claim: Claim | None = None,
+        method: str = "POST",
+        pinned: bool = False,
     ) -> Attempt:
         """Send to ``replica``, retried once elsewhere on a connection error or a 503 before
         any header. ``prefill``: what of the prompt ``replica`` computes (a retry's replica
-        is taken to compute all ``prompt_tokens``)."""
+        is taken to compute all ``prompt_tokens``). ``pinned``: only ``replica`` can answer
+        (it stores the response the request names), never retried elsewhere."""
         assert self._http is not None
         load = self._load
         ep = next(e for e in route.endpoints if e.replica == replica)
@@ -147,7 +153,8 @@ class Upstream:
             if claim is not None:
                 self._computing.record(*claim, ep.replica, now=math.inf)
             try:
-                resp = await self._http.post(
+                resp = await self._http.request(
+                    method,
                     ep.url + path,
                     data=payload,
                     headers={
@@ -172,26 +179,33 @@ class Upstream:
                 raise
             else:
                 try:
-                    unreached = await _proxy_unreached(resp)
+                    unreached, body = await _proxy_unreached(resp)
                 except BaseException:
                     resp.release()
                     self.ended(ep.replica, prefill, claim)
                     raise
-                if resp.status != 503 and unreached is None:
+                # A runtime adapter's 404 from the engine itself: it no longer (or not yet)
+                # holds the adapter the route table said it loaded (an unload lands before the
+                # agent's next report). The request never ran: another holder may take it.
+                not_loaded = resp.status == 404 and unreached is None and route.runtime
+                if resp.status != 503 and unreached is None and not not_loaded:
                     load.succeeded(ep.replica)
                     self._windows.succeeded(ep.replica)
-                    return Attempt(ep, resp, prefill, claim)
+                    return Attempt(ep, resp, prefill, claim, body)
                 resp.release()
                 self.ended(ep.replica, prefill, claim, computed=False)
                 why = unreached or "the replica answered 503"
-                kind = "connect" if unreached else "status"
-            busy = self._busy(ep)
-            if not busy:
+                kind = "adapter" if not_loaded else "connect" if unreached else "status"
+            busy = False if kind == "adapter" else self._busy(ep)
+            if not busy and kind != "adapter":  # a replica without the adapter is healthy
                 self.failed(route, ep, kind)
-            others = self.candidates(route, exclude=tried)
+            others = [] if pinned else self.candidates(route, exclude=tried)
             if len(tried) > 1 or not others or not self.budget.withdraw():
                 if busy:
                     raise Busy(ep.replica)
+                if kind == "adapter":
+                    log.info("gateway_adapter_not_loaded", adapter=route.name, replica=ep.replica)
+                    raise adapter_not_loaded(route.name, route.base)
                 raise upstream_failed(route.name, why)
             self._metrics.inc(self._metrics.retries, route.name)
             ep = min(
@@ -241,20 +255,27 @@ class Upstream:
             self._metrics.inc(self._metrics.ejections, ep.replica)
 
 
-async def _proxy_unreached(resp: aiohttp.ClientResponse) -> str | None:
-    """Why the answer says the request never reached an engine (``_PROXY_UNREACHED``), or
-    None: it did."""
+async def _proxy_unreached(resp: aiohttp.ClientResponse) -> tuple[str | None, bytes | None]:
+    """(why the answer says the request never reached an engine (``_PROXY_UNREACHED``), or
+    None: it did; the body read to tell, None when none was read). The body read is the
+    engine's answer when it reached one: the caller relays it, ``resp`` has none left."""
     code = _PROXY_UNREACHED.get(resp.status)
     if code is None:
-        return None
+        return None, None
     try:
-        body = json.loads(await read_capped(resp, _PROXY_ERROR_MAX_BYTES) or b"")
-    except (ValueError, aiohttp.ClientError, TimeoutError):
-        return None
+        raw = await read_capped(resp, _PROXY_ERROR_MAX_BYTES)
+    except (aiohttp.ClientError, TimeoutError):
+        return None, b""
+    if raw is None:  # past the proxy's sizes: the engine's, cut (an engine's 404 is small)
+        return None, b""
+    try:
+        body = json.loads(raw or b"")
+    except ValueError:
+        return None, raw
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict) and error.get("code") == code:
-        return f"the agent's proxy answered {resp.status} ({code})"
-    return None
+        return f"the agent's proxy answered {resp.status} ({code})", raw
+    return None, raw
 
 
 def engine_said(status: int, raw: bytes) -> str | None:

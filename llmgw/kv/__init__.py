@@ -14,10 +14,12 @@ API summary:
   helpers (``llmgw.kv.frames``); malformed input raises ``KVDecodeError`` only.
 - ``BlockMirror`` (agent side, one per engine): ``apply(seq, batch)`` in order (gaps are
   reported, never skipped), ``resync``/``engine_started`` resets, ``changes_since(version)`` ->
-  ``MirrorDelta`` or ``MirrorSnapshot`` (with its reset reason), ``dump``/``load``.
+  ``MirrorDelta`` or ``MirrorSnapshot`` (with its reset reason), ``dump``/``load``; blocks are
+  kept per medium, and events on a medium outside ``KNOWN_MEDIA`` are counted and dropped.
 - ``PrefixIndex`` (router side, one per process): ``apply_delta``/``apply_snapshot``/
   ``apply_change``/``drop_shard`` per (model, shard); ``score(model, hashes, candidates)`` ->
-  ``PrefixScore`` per candidate (leading blocks held, share, partial).
+  ``PrefixScore`` per candidate (leading blocks held, share, partial); ``media=`` limits the
+  tiers that count (the router scores ``DEVICE_MEDIUM`` only: offloaded blocks are no hit).
 
 Nothing here does I/O, imports zmq/asyncio or reads the environment: the ZMQ listener belongs to
 the node agent, the publisher to the simulator.

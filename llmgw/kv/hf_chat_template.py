@@ -65,10 +65,39 @@ def pick_template(config: Mapping[str, Any], files: Mapping[str, bytes], tools: 
     return ""
 
 
-def message_text(content: Any) -> str | None:
+def knows_developer_role(source: str) -> bool:
+    """Whether a chat template renders OpenAI's ``developer`` role itself (vLLM 0.32's test,
+    vllm/renderers/hf.py ``_detect_developer_role_support``: the role's name quoted in it)."""
+    return '"developer"' in source or "'developer'" in source
+
+
+def developer_as_system(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chat with ``developer`` messages as a template that does not know the role gets it
+    from vLLM (``_convert_developer_to_system`` then ``_consolidate_system_messages``): each
+    becomes ``system`` (its ``tools`` dropped), and where a system message is then not alone
+    at the front, all of them merge into one at the front, joined by a blank line, empty
+    ones left out. Call it with the contents already text (``message_text``)."""
+    converted: list[dict[str, Any]] = []
+    for message in chat:
+        if message.get("role") == "developer":
+            message = {k: v for k, v in message.items() if k != "tools"} | {"role": "system"}
+        converted.append(message)
+    systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
+    if not systems or systems == [0]:
+        return converted
+    texts = [str(c) for i in systems if (c := converted[i].get("content"))]
+    rest = [m for m in converted if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
+def message_text(content: Any) -> str:
     """The text of a message's content as vLLM hands it to the template ("string" content
-    format): a list of text parts is joined with newlines."""
-    if content is None or isinstance(content, str):
+    format): a list of text parts is joined with newlines, and no content (null or absent:
+    an assistant turn of tool calls only) is empty text, as vLLM 0.32 renders it
+    (vllm/renderers/chat_utils.py ``_parse_chat_message_content``: None is no parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts: list[str] = []

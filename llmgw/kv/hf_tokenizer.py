@@ -41,6 +41,8 @@ from tokenizers import Tokenizer
 from llmgw.errors import SpecError, clip
 from llmgw.kv.hf_chat_template import (
     check_chat_options,
+    developer_as_system,
+    knows_developer_role,
     message_text,
     pick_template,
     template_environment,
@@ -214,8 +216,10 @@ class HfTokenizer:
                 self._specials[name] = text
         self._env = template_environment()
         self._templates: dict[bool, Any] = {}
+        self._developer_role: dict[bool, bool] = {}
         for tools in (False, True):
             source = pick_template(config, raw, tools)
+            self._developer_role[tools] = knows_developer_role(source)
             try:
                 self._templates[tools] = self._env.from_string(source) if source else None
             except TemplateError as exc:
@@ -354,6 +358,10 @@ class HfTokenizer:
             if not isinstance(message, Mapping):
                 raise SpecError(f"messages[{i}] is not an object", field=f"messages[{i}]")
             chat.append({**message, "content": message_text(message.get("content"))})
+        if not self._developer_role[bool(tools)] and any(
+            m.get("role") == "developer" for m in chat
+        ):
+            chat = developer_as_system(chat)
         context: dict[str, Any] = dict(self._specials)
         for name, value in (chat_template_kwargs or {}).items():
             if name not in _FIXED_KWARGS:

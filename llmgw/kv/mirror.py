@@ -6,6 +6,12 @@ changed since version v" as net added/removed hashes per medium, or as a full sn
 receiver's base is unknown or a reset (cache cleared, engine restart, unfillable gap) intervened.
 Every snapshot says why it is one; a view that may lack blocks is marked ``partial``.
 
+Media: a block is held per tier ("GPU", and vLLM's offload tiers "CPU" and "STORAGE"), each kept
+apart to the router, which scores device hits only (``DEVICE_MEDIUM``). Events on a medium
+llmgw does not know are counted (``num_unknown_medium_blocks``) and dropped, never fatal: no
+scorer reads a tier it does not know, and a name chosen by an engine need not fit the relay's
+wire, where one over-long name would have the control plane refuse the shard's every delta.
+
 Reference counts (docs/architecture.md §7, "honest views"): vLLM does not de-duplicate blocks and reports one
 BlockRemoved per physical block, so a store adds one reference and a removal takes one away; the
 hash is present while its count is above zero. Counting is what keeps a hash held by two physical
@@ -33,6 +39,8 @@ from llmgw.kv.errors import KVError
 from llmgw.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = [
+    "DEVICE_MEDIUM",
+    "KNOWN_MEDIA",
     "ApplyResult",
     "BlockMirror",
     "MirrorDelta",
@@ -53,6 +61,12 @@ ResetReason = Literal[
 ]
 
 _MASK64 = (1 << 64) - 1
+
+# The tier the engine computes from: what a prefix hit means. vLLM's CPU build says "GPU" too
+# (its block pool's medium is fixed), so a CPU replica's own cache counts as a device hit.
+DEVICE_MEDIUM = "GPU"
+# vLLM's media (vllm/distributed/kv_events.py MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE), folded.
+KNOWN_MEDIA: frozenset[str] = frozenset({DEVICE_MEDIUM, "CPU", "STORAGE"})
 
 
 def normalize_medium(medium: str | None) -> str:
@@ -146,6 +160,9 @@ class BlockMirror:
         self.num_unknown_removals = 0
         self.num_dropped_stores = 0
         self.num_skipped_batches = 0
+        # Block hashes in events on a medium outside KNOWN_MEDIA, dropped; the last such medium.
+        self.num_unknown_medium_blocks = 0
+        self.last_unknown_medium = ""
 
     # --- feeding ------------------------------------------------------------------------------
 
@@ -218,6 +235,9 @@ class BlockMirror:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 medium = normalize_medium(event.medium)
+                if medium not in KNOWN_MEDIA:
+                    self._unknown_medium(medium, len(event.block_hashes))
+                    continue
                 refs = self._refs.get(medium)
                 if refs is None:
                     refs = self._refs[medium] = {}
@@ -242,6 +262,9 @@ class BlockMirror:
                     changed = True
             elif isinstance(event, BlockRemoved):
                 medium = normalize_medium(event.medium)
+                if medium not in KNOWN_MEDIA:
+                    self._unknown_medium(medium, len(event.block_hashes))
+                    continue
                 refs = self._refs.get(medium)
                 if refs is None:
                     self.num_unknown_removals += len(event.block_hashes)
@@ -274,6 +297,11 @@ class BlockMirror:
             self.version = version
             if len(jv) > self.max_journal:
                 self._trim_journal()
+
+    def _unknown_medium(self, medium: str, num_hashes: int) -> None:
+        self.num_unknown_medium_blocks += num_hashes
+        # Clipped: it is the engine's string, and it ends up in a log line.
+        self.last_unknown_medium = medium[:64]
 
     def _trim_journal(self) -> None:
         # Keep the newer half, cut at a version boundary so every retained base is exact.

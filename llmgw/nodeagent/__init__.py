@@ -10,8 +10,9 @@ restart (records.py, procs.py, runtime.py). Local policy and secrets are resolve
 (policy.py, secrets.py, prepare.py, adapters.py, ports.py). Each leader engine is exposed
 through its front door, an authenticating proxy (proxy.py) its wrapper serves
 (frontdoor.py; leaders of older wrappers through the agent's shared_proxy.py), its KV events
-relayed to the control plane (kvrelay/, wired by kv_wiring.py) and its tokenizer files
-shipped (tokenizer_ship.py). agent.py composes it all: its settings checked
+relayed to the control plane (kvrelay/, wired by kv_wiring.py), its tokenizer files
+shipped (tokenizer_ship.py) and its runtime LoRA adapters converged to the leader's placement
+(adapter_diff.py, the pure core; adapter_sync.py, the shell). agent.py composes it all: its settings checked
 (agent_validation.py) and translated (agent_settings.py), the node read (agent_inventory.py);
 state.py keeps its identity and metrics.py its /metrics and /healthz.
 

@@ -31,6 +31,7 @@ from llmgw.engines import EngineRegistry, base_env_from
 from llmgw.engines.engine import host_port
 from llmgw.logs import get_logger
 from llmgw.nodeagent import agent_settings, agent_validation
+from llmgw.nodeagent.adapter_sync import AdapterSync
 from llmgw.nodeagent.agent_inventory import NodeInventoryReader, agent_version
 from llmgw.nodeagent.client import ControlPlaneClient
 from llmgw.nodeagent.kv_wiring import KvHooks, make_relay
@@ -112,6 +113,11 @@ class Agent:
             self.node.gpu_source,
             wrapper_env=base_env_from(self.environ),
         )
+        self.adapters = AdapterSync(
+            agent_settings.adapter_sync_config(settings, state_root=self.state.root),
+            self.policy,
+            on_change=self._report_soon,
+        )
         self.shared_proxy = SharedProxy(
             self.mgmt_addr, settings.proxy_port, metrics_token=metrics_token
         )
@@ -167,7 +173,13 @@ class Agent:
         return urls
 
     def _bindings(self) -> list[ShardBinding]:
-        return self.supervisor.bindings(proxy_urls=self._proxy_urls())
+        return self.supervisor.bindings(
+            proxy_urls=self._proxy_urls(), adapters=self.adapters.observed()
+        )
+
+    def _report_soon(self) -> None:
+        if self.sync is not None:
+            self.sync.poke()
 
     async def _apply(self, resp: SyncResponse) -> None:
         assert resp.shards is not None
@@ -204,6 +216,9 @@ class Agent:
                 await self.supervisor.tick()
                 self.shared_proxy.update_routes(self.supervisor.runtimes, self.supervisor.desired)
                 self.tokenizers.follow(self.supervisor.runtimes)
+                # Runtime LoRA adapters converge in tasks of their own, one per engine: a load
+                # never holds up this pass (adapter_sync.py).
+                self.adapters.follow(self.supervisor.runtimes)
             except Exception:
                 log.exception("supervisor_pass_failed")
             self._wake.clear()
@@ -214,12 +229,14 @@ class Agent:
         epoch = self.state.new_epoch()
         self.supervisor.recover()
         # Probe what was adopted before the first sync, so the first report
-        # already says which engines are ready.
+        # already says which engines are ready, and which runtime adapters they hold.
         await self.supervisor.tick()
+        self.adapters.follow(self.supervisor.runtimes)
         metrics = self.metrics = AgentMetrics(
             shard_counts=self.supervisor.count_by_state,
             counters=lambda: dict(self.supervisor.counters),
             sync_failures=lambda: self.sync.num_failures_total if self.sync is not None else 0,
+            adapter_counts=self.adapters.counts,
         )
         sync = self.sync = SyncLoop(
             self.client,
@@ -287,6 +304,8 @@ class Agent:
             if self.relay is not None:
                 await self.relay.close()
             await eventloop.cancel_and_wait(tasks)
+            # Before any engine is stopped: no adapter call races an engine on its way out.
+            await self.adapters.close()
             if self._stop_engines_on_exit:
                 await self._stop_all_engines()
             await self.endpoints.stop()

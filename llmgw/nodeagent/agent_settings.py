@@ -14,12 +14,19 @@ from pathlib import Path
 from llmgw.config import AgentSettings
 from llmgw.engines import EnginesConfig, SimConfig
 from llmgw.http.listeners import FD_RESERVE, ListenerLimits, fit_connections
+from llmgw.nodeagent.adapter_sync import AdapterSyncConfig
 from llmgw.nodeagent.policy import LocalPolicy
 from llmgw.nodeagent.proxy import proxy_limits
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from llmgw.protocol import MAX_SHARDS
 
-__all__ = ["engines_config", "listener_limits", "local_policy", "supervisor_config"]
+__all__ = [
+    "adapter_sync_config",
+    "engines_config",
+    "listener_limits",
+    "local_policy",
+    "supervisor_config",
+]
 
 # Descriptors kept apart from the listeners' connections: per shard its ZMQ sockets, health
 # checks, and the log and record files the supervisor reads; /proc reads on top.
@@ -68,6 +75,18 @@ def supervisor_config(
         adapter_root=state_root / "adapters",
         adapter_max_bytes=s.policy.adapter_max_bytes,
         adapter_allow_loopback=s.policy.adapter_fetch_allow_loopback,
+    )
+
+
+def adapter_sync_config(s: AgentSettings, *, state_root: Path) -> AdapterSyncConfig:
+    """Runtime adapters: downloads beside the profiles' (one copy per source), the same caps."""
+    return AdapterSyncConfig(
+        adapter_root=state_root / "adapters",
+        adapter_max_bytes=s.policy.adapter_max_bytes,
+        adapter_allow_loopback=s.policy.adapter_fetch_allow_loopback,
+        call_timeout_s=s.adapter_call_timeout_s,
+        retry_min_s=s.adapter_retry_min_s,
+        retry_max_s=s.adapter_retry_max_s,
     )
 
 

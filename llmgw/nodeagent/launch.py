@@ -2,11 +2,11 @@
 signals, and the shard's GPUs waited on until they show none of its processes.
 
 A start is three steps, so the supervisor can book and act on what lies between them:
-``build`` (the shard's directory, its adapters fetched, its ports, the launch built from the
-node facts it is given; nothing runs yet, and every failure is a ``StartFailed`` to report and
-retry), ``write_record`` (the record on disk, which the supervisor's hooks see before any
-engine runs) and ``spawn`` (the wrapper spawned and handed its launch). Nothing here calls back
-into the supervisor.
+``build`` (the shard's directory, its adapters fetched, its ports and a CPU shard's cores, the
+launch built from the node facts it is given; nothing runs yet, and every failure is a
+``StartFailed`` to report and retry), ``write_record`` (the record on disk, which the
+supervisor's hooks see before any engine runs) and ``spawn`` (the wrapper spawned and handed
+its launch). Nothing here calls back into the supervisor.
 
 The agent is never what keeps an engine alive: wrappers run in their own sessions, get the
 launch on a pipe that is closed once written, and write their output to files. An agent that
@@ -37,8 +37,9 @@ from llmgw.errors import SpecError
 from llmgw.logs import get_logger
 from llmgw.nodeagent import procs
 from llmgw.nodeagent.adapters import AdapterFetchError, fetch_adapter, is_url
+from llmgw.nodeagent.cores import CoreAllocator
 from llmgw.nodeagent.frontdoor import FrontDoorLaunch
-from llmgw.nodeagent.inventory import GpuSource
+from llmgw.nodeagent.inventory import GpuSource, allowed_cpus
 from llmgw.nodeagent.ports import PortAllocator, PortsExhausted
 from llmgw.nodeagent.prepare import (
     LaunchPorts,
@@ -89,7 +90,8 @@ def _record_ports(rec: ShardRecord) -> tuple[int, int, int]:
 
 
 class Launcher:
-    """Builds and runs shard starts, stops wrappers, and owns the node's shard ports."""
+    """Builds and runs shard starts, stops wrappers, and owns the node's shard ports and the
+    CPU shards' cores."""
 
     def __init__(
         self,
@@ -107,18 +109,22 @@ class Launcher:
         self.proxy_ports = PortAllocator(
             *config.proxy_port_range, host=config.proxy_host, setting="agent.proxy_port_range"
         )
+        self.cores = CoreAllocator(config.cpu_ids or allowed_cpus())
+        self._warned_shared_cores = False
 
     # --- ports and directories -------------------------------------------------------
 
     def hold(self, rec: ShardRecord) -> None:
-        """Keep a shard found on disk from losing its ports to another start."""
+        """Keep a shard found on disk from losing its ports and cores to another start."""
         self.ports.hold(_record_ports(rec))
         self.proxy_ports.hold([rec.proxy_port])
+        self.cores.hold(rec.spec_view.cpu_cores)
 
     def release(self, rt: ShardRuntime) -> None:
-        """Give back what a forgotten shard held: its ports and its directory."""
+        """Give back what a forgotten shard held: its ports, its cores and its directory."""
         self.ports.release(_record_ports(rt.record))
         self.proxy_ports.release([rt.record.proxy_port])
+        self.cores.release(rt.record.spec_view.cpu_cores)
         shutil.rmtree(rt.dir, ignore_errors=True)
 
     def shard_dir(self, shard_id: str) -> Path:
@@ -170,6 +176,38 @@ class Launcher:
             )
         return LaunchPorts(http, kv, rp)
 
+    def _cores_for(self, p: PreparedShard, prev: ShardRecord | None) -> tuple[int, ...]:
+        """A CPU shard's cores, for an engine that binds them: the previous life's while it
+        asks for as many (an engine restarted where it ran), else a fresh pick (its old ones
+        given back); () for any other shard. The count is the threads placement reserved
+        (ShardSpec.threads), else the profile's."""
+        spec, engine = p.spec, p.engine
+        kept = prev.spec_view.cpu_cores if prev is not None else ()
+        threads = 0
+        if spec is not None and engine is not None and engine.binds_cpu_cores:
+            threads = spec.num_threads if spec.profile.cpu_only else 0
+        want = self.cores.size_for(threads)
+        if len(kept) == want:
+            return kept
+        self.cores.release(kept)
+        if want == 0:
+            return ()
+        pick = self.cores.allocate(threads)
+        if pick.short and not self._warned_shared_cores:
+            # Once per agent: an inventory that claims more threads than the node has would
+            # say it again on every start.
+            self._warned_shared_cores = True
+            log.warning(
+                "cpu_cores_shared",
+                shard=p.shard_id,
+                threads=threads,
+                cores=list(pick.cores),
+                cpus=len(self.cores.cpus),
+                hint="placement reserved more CPU threads than this node has free, so CPU "
+                "shards share cores (does agent.cpu_threads claim more than exist?)",
+            )
+        return pick.cores
+
     def _proxy_port_for(self, p: PreparedShard, prev: ShardRecord | None) -> int:
         """A front door for a leader that serves HTTP with a key: the previous one's port while
         free (the gateways hold its URL), else a fresh one. 0 for any other shard: a rank that
@@ -202,8 +240,11 @@ class Launcher:
             if proxy_port and (prev is None or prev.proxy_port != proxy_port):
                 self.proxy_ports.release([proxy_port])
             raise StartFailed(str(e)) from None
+        cores = self._cores_for(p, prev)
         try:
-            spec, commands = build_launch(p, facts, ports, runtime_dir=str(d / "run"))
+            spec, commands = build_launch(
+                p, facts, ports, runtime_dir=str(d / "run"), cpu_cores=cores
+            )
         except SpecError as e:
             # Ports not yet in a record go back to the pool: a start that keeps
             # failing must not drain the range.
@@ -215,6 +256,11 @@ class Launcher:
             )
             if proxy_port and (prev is None or prev.proxy_port != proxy_port):
                 self.proxy_ports.release([proxy_port])
+            # Cores likewise; the record still names the previous life's, held again.
+            kept_cores = prev.spec_view.cpu_cores if prev is not None else ()
+            if cores != kept_cores:
+                self.cores.release(cores)
+                self.cores.hold(kept_cores)
             raise StartFailed(e.message) from None
         same_spec = prev is not None and prev.digest == p.digest
         # A shard stopped on purpose (its agent exiting) comes back with a start, not a
@@ -236,7 +282,8 @@ class Launcher:
         engine = p.engine
         assert engine is not None  # launchable implies an engine
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for stale in ("exit.json", "procs.json"):
+        # A new process holds no runtime adapters (adapter_sync.py).
+        for stale in ("exit.json", "procs.json", "adapters.json"):
             (d / stale).unlink(missing_ok=True)
         rec = ShardRecord(
             shard_id=p.shard_id,

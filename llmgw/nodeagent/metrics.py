@@ -25,6 +25,7 @@ from llmgw.http.listeners import (
     ListenerLimits,
     aiohttp_server,
 )
+from llmgw.nodeagent.adapter_sync import AdapterCounts
 
 __all__ = ["AgentMetrics", "EndpointServer"]
 
@@ -76,6 +77,41 @@ class _StateCollector(Collector):
         yield f
 
 
+class _AdapterCollector(Collector):
+    """Runtime LoRA adapters per shard (adapter_sync.py): series of a shard gone from the node
+    go with it."""
+
+    def __init__(self, counts: Callable[[], list[AdapterCounts]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        counts = self._counts()
+        loads = CounterMetricFamily(
+            "llmgw_agent_adapter_loads",
+            "Runtime LoRA adapter loads per shard, by outcome (ok, failed): failed counts every "
+            "refused path, failed download and engine refusal, each retried with backoff.",
+            labels=["shard", "outcome"],
+        )
+        unloads = CounterMetricFamily(
+            "llmgw_agent_adapter_unloads",
+            "Runtime LoRA adapters unloaded per shard (no longer placed, or placed from a new path).",
+            labels=["shard"],
+        )
+        loaded = GaugeMetricFamily(
+            "llmgw_agent_adapters_loaded",
+            "Runtime LoRA adapters the shard's engine holds, as the agent knows it.",
+            labels=["shard"],
+        )
+        for c in counts:
+            loads.add_metric([c.shard, "ok"], c.loads_ok)
+            loads.add_metric([c.shard, "failed"], c.loads_failed)
+            unloads.add_metric([c.shard], c.unloads)
+            loaded.add_metric([c.shard], c.loaded)
+        yield loads
+        yield unloads
+        yield loaded
+
+
 class AgentMetrics:
     def __init__(
         self,
@@ -83,6 +119,7 @@ class AgentMetrics:
         shard_counts: Callable[[], dict[str, int]],
         counters: Callable[[], dict[str, int]],
         sync_failures: Callable[[], int],
+        adapter_counts: Callable[[], list[AdapterCounts]] = list,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -93,6 +130,7 @@ class AgentMetrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(shard_counts, counters, sync_failures))
+        self.registry.register(_AdapterCollector(adapter_counts))
 
 
 class EndpointServer:

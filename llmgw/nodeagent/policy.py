@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from llmgw.engines import Engine, ShardSpec
 from llmgw.errors import SpecError
 
-__all__ = ["LocalPolicy", "check_policy", "under_root"]
+__all__ = ["LocalPolicy", "adapter_source_problem", "check_policy", "under_root"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,18 +101,25 @@ def check_policy(
                 field="profile.args",
             )
     for a in p.adapters:
-        if _is_url(a.path):
-            if not any(a.path.startswith(pre) for pre in policy.adapter_url_prefixes):
-                raise SpecError(
-                    f"shard {spec.shard_id}: adapter {a.name!r} source {a.path!r} is not an "
-                    "allowed download (agent.policy.allowed_adapter_sources lists the URL "
-                    "prefixes this node fetches from)",
-                    field="profile.adapters",
-                )
-        elif policy.adapter_roots and not under_root(a.path, policy.adapter_roots):
-            raise SpecError(
-                f"shard {spec.shard_id}: adapter {a.name!r} path {a.path!r} is not under an "
-                f"allowed root ({', '.join(policy.adapter_roots)}; "
-                "agent.policy.allowed_adapter_sources)",
-                field="profile.adapters",
+        problem = adapter_source_problem(a.name, a.path, policy)
+        if problem is not None:
+            raise SpecError(f"shard {spec.shard_id}: {problem}", field="profile.adapters")
+
+
+def adapter_source_problem(name: str, path: str, policy: LocalPolicy) -> str | None:
+    """Why this node refuses a LoRA adapter from ``path`` (a directory, or an http(s) source
+    it would download), or None: the one rule for a profile's adapters and the runtime
+    adapters the leader places (adapter_sync.py)."""
+    if _is_url(path):
+        if not any(path.startswith(pre) for pre in policy.adapter_url_prefixes):
+            return (
+                f"adapter {name!r} source {path!r} is not an allowed download "
+                "(agent.policy.allowed_adapter_sources lists the URL prefixes this node "
+                "fetches from)"
             )
+    elif policy.adapter_roots and not under_root(path, policy.adapter_roots):
+        return (
+            f"adapter {name!r} path {path!r} is not under an allowed root "
+            f"({', '.join(policy.adapter_roots)}; agent.policy.allowed_adapter_sources)"
+        )
+    return None

@@ -3,11 +3,13 @@ the node knows, build the commands.
 
 Two steps, so that a bad spec fails before anything is touched:
 - `prepare` runs on every changed desired set: it parses the spec, checks it
-  against this node (GPUs, local policy, secret references) and builds the
-  commands once with placeholder ports, so every error the launch could
-  raise is found now and reported for this shard alone;
+  against this node (GPUs, local policy, secret references, the model's
+  config.json where the engine asks for it) and builds the commands once with
+  placeholder ports, so every error the launch could raise is found now and
+  reported for this shard alone;
 - `build_launch` runs when the shard is (re)started: it fills in the
-  allocated ports, resolves the secrets and builds the commands for real.
+  allocated ports and CPU cores, resolves the secrets and builds the commands
+  for real.
 
 The digest is what adoption and the diff compare. It covers the desired
 shard as the control plane sent it (fingerprint, spec, a hash of the API
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmgw.engines import Command, Engine, EngineRegistry, ShardSpec, parse_shard_spec
@@ -51,8 +55,11 @@ AGENT_FIELDS = (
     "runtime_dir",
     "api_key",
     "secret_env",
+    "cpu_cores",
 )
 _PLACEHOLDER_PORTS = (1, 2, 3)
+# A model's config.json is a few kB; anything near this is no config to read on the agent's loop.
+_MAX_MODEL_CONFIG_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +151,7 @@ def _fill(
     *,
     runtime_dir: str,
     secret_env: Mapping[str, str],
+    cpu_cores: tuple[int, ...] = (),
 ) -> ShardSpec:
     by_index = {g.index: g for g in facts.gpus}
     missing = [i for i in spec.gpu_indices if i not in by_index]
@@ -162,6 +170,7 @@ def _fill(
         "runtime_dir": runtime_dir,
         "api_key": desired.engine_api_key,
         "secret_env": dict(secret_env),
+        "cpu_cores": cpu_cores,
     }
     devices = [by_index[i] for i in spec.gpu_indices]
     # CUDA addresses a MIG instance only as MIG-<uuid>; then every device of
@@ -200,6 +209,7 @@ def prepare(desired: DesiredShard, registry: EngineRegistry, facts: NodeFacts) -
     try:
         simulated = [g.index for g in facts.gpus if g.simulated]
         check_policy(spec, engine, facts.policy, simulated_gpus=simulated)
+        _check_model_config(spec, engine)
         secrets = resolve_secret_refs(_secret_refs(spec, raw), facts.environ)
         kv = spec.profile.kv_events and spec.leader
         placeholder = LaunchPorts(
@@ -214,15 +224,51 @@ def prepare(desired: DesiredShard, registry: EngineRegistry, facts: NodeFacts) -
     return PreparedShard(desired, digest, spec, engine)
 
 
+def _check_model_config(spec: ShardSpec, engine: Engine) -> None:
+    """Hand the engine the model's config.json where it asks for it and the file can be read
+    here, so a model it would load but fail to serve (vLLM's CPU attention and heads under 32
+    dimensions: 500s from the first request on) is refused before it starts. A model path that
+    is no directory on this node (a hub id), or a config that cannot be read or parsed, is left
+    to the engine, which reports its own error at start."""
+    p = spec.profile
+    if not engine.wants_model_config(p) or not os.path.isabs(p.model_path):
+        return
+    try:
+        with (Path(p.model_path) / "config.json").open("rb") as f:
+            raw = f.read(_MAX_MODEL_CONFIG_BYTES + 1)
+    except OSError:
+        return
+    if len(raw) > _MAX_MODEL_CONFIG_BYTES:
+        return
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return
+    if isinstance(config, dict):
+        engine.check_model_config(p, config)
+
+
 def build_launch(
-    prepared: PreparedShard, facts: NodeFacts, ports: LaunchPorts, *, runtime_dir: str
+    prepared: PreparedShard,
+    facts: NodeFacts,
+    ports: LaunchPorts,
+    *,
+    runtime_dir: str,
+    cpu_cores: tuple[int, ...] = (),
 ) -> tuple[ShardSpec, list[Command]]:
-    """The filled spec and its commands, secrets resolved; SpecError if that now fails."""
+    """The filled spec and its commands, secrets resolved; SpecError if that now fails.
+    ``cpu_cores``: the cores the launcher picked for a CPU shard (cores.py)."""
     if prepared.spec is None or prepared.engine is None or prepared.error:
         raise SpecError(prepared.error or f"shard {prepared.shard_id}: not launchable")
     secrets = resolve_secret_refs(_secret_refs(prepared.spec, prepared.desired.spec), facts.environ)
     spec = _fill(
-        prepared.spec, prepared.desired, facts, ports, runtime_dir=runtime_dir, secret_env=secrets
+        prepared.spec,
+        prepared.desired,
+        facts,
+        ports,
+        runtime_dir=runtime_dir,
+        secret_env=secrets,
+        cpu_cores=cpu_cores,
     )
     return spec, prepared.engine.commands(spec, base_env=facts.base_env)
 

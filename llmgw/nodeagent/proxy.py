@@ -8,7 +8,9 @@ wrappers too old to serve one (shared_proxy.py). For every request, in this orde
 
 1. the path: only ``/v1/*``, ``/tokenize``, ``/health`` and ``/metrics`` of a known shard, judged
    on the raw (undecoded) path so ``..``, ``%2e%2e`` or ``%2f`` cannot climb out of the shard's
-   prefix to an engine's admin routes; anything else is 404;
+   prefix to an engine's admin routes; anything else is 404, and so are the runtime LoRA routes
+   under ``/v1`` (``REFUSED_PATHS``, however encoded), which load whatever path their caller
+   names: only the agent calls them, on loopback (adapter_sync.py);
 2. ``Authorization: Bearer <that shard's key>``, compared in constant time, before a byte of
    the body is read (401 otherwise): an unauthenticated client cannot make the proxy buffer;
 3. the body, capped at ``max_body_bytes`` (413), declared length first, then as it arrives;
@@ -38,6 +40,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
@@ -53,12 +56,23 @@ from llmgw.http.listeners import (
 )
 from llmgw.logs import get_logger
 
-__all__ = ["ALLOWED_PATHS", "DEFAULT_LIMITS", "EngineProxy", "ProxyRoute", "proxy_limits"]
+__all__ = [
+    "ALLOWED_PATHS",
+    "DEFAULT_LIMITS",
+    "REFUSED_PATHS",
+    "EngineProxy",
+    "ProxyRoute",
+    "proxy_limits",
+]
 
 _log = get_logger(__name__)
 
 # Exact paths besides the /v1/ prefix; the gateway needs nothing else of an engine.
 ALLOWED_PATHS = frozenset({"/tokenize", "/health", "/metrics"})
+# Under /v1/ but never the gateways': vLLM's (and the simulator's) runtime LoRA routes, open on
+# engines with adapter_slots (VLLM_ALLOW_RUNTIME_LORA_UPDATING). Compared decoded and in lower
+# case: the engine's router decodes %6C to "l" before it matches.
+REFUSED_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 _METHODS = frozenset({"GET", "HEAD", "POST"})
 # Per RFC 9110 §7.6.1, plus the ones a proxy must not pass on.
 _HOP_BY_HOP = frozenset(
@@ -155,7 +169,11 @@ def split_path(raw_path: str) -> tuple[str, str] | None:
     segments = rest.split("/")[1:]
     if any(s in ("", ".", "..") for s in segments):
         return None
-    if rest in ALLOWED_PATHS or (rest.startswith("/v1/") and len(rest) > len("/v1/")):
+    if rest in ALLOWED_PATHS:
+        return shard, rest
+    if rest.startswith("/v1/") and len(rest) > len("/v1/"):
+        if unquote(rest).lower() in REFUSED_PATHS:
+            return None
         return shard, rest
     return None
 

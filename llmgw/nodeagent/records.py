@@ -6,6 +6,8 @@ Layout under the state dir:
     shards/<shard_id>/procs.json    ShardProcs, written by the wrapper once its commands run
                                     (and its front door listens)
     shards/<shard_id>/exit.json     ShardExit, written by the wrapper when the shard ends
+    shards/<shard_id>/adapters.json ShardAdapters, the runtime LoRA adapters the agent last
+                                    knew the engine to hold (adapter_sync.py)
     shards/<shard_id>/logs/         the commands' output, rotated by the wrapper
     shards/<shard_id>/run/          the shard's runtime dir (Command.files)
 
@@ -37,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 __all__ = [
     "RECORD_VERSION",
     "RecordError",
+    "ShardAdapters",
     "ShardExit",
     "ShardProc",
     "ShardProcs",
@@ -45,6 +48,7 @@ __all__ = [
     "atomic_write",
     "list_shard_dirs",
     "mark_stopped",
+    "read_adapters",
     "read_exit",
     "read_procs",
     "read_record",
@@ -74,8 +78,16 @@ class ShardSpecView:
     # Where the engine's HTTP server listens; empty: 127.0.0.1.
     bind_addr: str = ""
     gpu_indices: tuple[int, ...] = ()
+    # The cores the agent bound a CPU shard to (cores.py); empty for any other shard.
+    cpu_cores: tuple[int, ...] = ()
     # The profile's served_model_name (empty when it sets none).
     served_model_name: str = ""
+    # The profile's adapter_slots and the names of its own adapters (loaded at start): what the
+    # running engine was started with, which is what its runtime adapters are converged within
+    # (adapter_sync.py), whatever a newer desired spec says. Read leniently: a record is never
+    # made unreadable by them.
+    adapter_slots: int = 0
+    adapter_names: tuple[str, ...] = ()
 
     @property
     def leader(self) -> bool:
@@ -94,11 +106,23 @@ class ShardSpecView:
         indices = spec.get("gpu_indices") or ()
         if not isinstance(indices, list | tuple):
             raise TypeError(f"gpu_indices is {type(indices).__name__}, not a list")
+        cores = spec.get("cpu_cores") or ()
+        if not isinstance(cores, list | tuple):
+            raise TypeError(f"cpu_cores is {type(cores).__name__}, not a list")
+        slots = profile.get("adapter_slots") if isinstance(profile, Mapping) else None
+        adapters = profile.get("adapters") if isinstance(profile, Mapping) else None
         return cls(
             rank=int(spec.get("rank", 0) or 0),
             bind_addr=str(spec.get("bind_addr") or ""),
             gpu_indices=tuple(int(i) for i in indices),
+            cpu_cores=tuple(int(c) for c in cores),
             served_model_name=str(served or ""),
+            adapter_slots=slots if type(slots) is int and slots > 0 else 0,
+            adapter_names=tuple(
+                str(a["name"])
+                for a in (adapters if isinstance(adapters, list | tuple) else ())
+                if isinstance(a, Mapping) and a.get("name")
+            ),
         )
 
 
@@ -199,6 +223,21 @@ class ShardExit(_Rec):
     error: str = ""
 
 
+class ShardAdapters(_Rec):
+    """The runtime adapters the agent last knew one engine process to hold, written after each
+    load and before each unload (so it never names more than the engine holds). An agent that
+    restarts reports them before its first sync, when it cannot ask the engine yet (the
+    engine's key comes with the desired set): otherwise its first report would say the engine
+    holds none, and the gateways would stop sending it those adapters' requests until the
+    next one. Believed only for the process it names (the record's generation and wrapper)."""
+
+    generation: int
+    wrapper_pid: int | None = None
+    wrapper_start_time: int | None = None
+    # Adapter name -> the path the engine loaded it from.
+    loaded: dict[str, str] = Field(default_factory=dict)
+
+
 def safe_shard_dirname(shard_id: str) -> str:
     """The shard id as a directory name; refuses ids that could escape the state dir."""
     if not _SAFE_ID.match(shard_id):
@@ -282,6 +321,13 @@ def mark_stopped(shard_dir: Path, reason: str) -> ShardRecord | None:
 def read_procs(shard_dir: Path) -> ShardProcs | None:
     try:
         return ShardProcs.model_validate(_read_json(shard_dir / "procs.json"))
+    except (FileNotFoundError, RecordError, ValidationError):
+        return None
+
+
+def read_adapters(shard_dir: Path) -> ShardAdapters | None:
+    try:
+        return ShardAdapters.model_validate(_read_json(shard_dir / "adapters.json"))
     except (FileNotFoundError, RecordError, ValidationError):
         return None
 

@@ -18,6 +18,7 @@ from llmgw.nodeagent.diff import Phase, RunningView
 from llmgw.nodeagent.prepare import PreparedShard
 from llmgw.nodeagent.records import ShardExit, ShardRecord
 from llmgw.protocol import MAX_LOG_TAIL_CHARS, MAX_REASON_CHARS, ObservedState, ShardBinding
+from llmgw.protocol.sync import AdapterObserved
 
 __all__ = ["Health", "ShardRuntime", "log_tail"]
 
@@ -124,6 +125,7 @@ class ShardRuntime:
         now: float,
         proxy_url: str = "",
         extra_reason: str = "",
+        adapters: tuple[AdapterObserved, ...] = (),
     ) -> ShardBinding:
         state = self.observed_state(crash_loop_after)
         reasons = [r for r in (self.held_reason, extra_reason) if r]
@@ -166,4 +168,5 @@ class ShardRuntime:
             exit_code=exit_code,
             started_at=rec.started_at or None,
             log_tail=self.tail[-MAX_LOG_TAIL_CHARS:] if state == "failed" else "",
+            adapters=adapters,
         )

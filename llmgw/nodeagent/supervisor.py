@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -47,6 +48,7 @@ from llmgw.nodeagent.runtime import ShardRuntime
 from llmgw.nodeagent.shardprocs import kill_leftovers
 from llmgw.nodeagent.supervisor_config import SupervisorConfig
 from llmgw.protocol import DesiredShard, ShardBinding
+from llmgw.protocol.sync import AdapterObserved
 
 __all__ = ["ShardHooks", "Supervisor"]
 
@@ -179,7 +181,14 @@ class Supervisor:
         old = self.desired or {}
         for d in shards:
             prev = old.get(d.shard_id)
-            p = prev if prev is not None and prev.desired == d else prepare(d, self.registry, facts)
+            if prev is not None and prev.desired == d:
+                p = prev
+            elif prev is not None and prev.desired.model_copy(update={"adapters": d.adapters}) == d:
+                # Only the runtime adapters changed: no part of the launch (nor its digest)
+                # did, so nothing is prepared again (adapter_sync.py loads them).
+                p = replace(prev, desired=d)
+            else:
+                p = prepare(d, self.registry, facts)
             prepared[d.shard_id] = p
             if p.error and (prev is None or prev.error != p.error):
                 log.warning("shard_spec_refused", shard=d.shard_id, reason=p.error)
@@ -373,10 +382,17 @@ class Supervisor:
 
     # --- reporting ----------------------------------------------------------------
 
-    def bindings(self, *, proxy_urls: Mapping[str, str] | None = None) -> list[ShardBinding]:
+    def bindings(
+        self,
+        *,
+        proxy_urls: Mapping[str, str] | None = None,
+        adapters: Mapping[str, tuple[AdapterObserved, ...]] | None = None,
+    ) -> list[ShardBinding]:
         """What the control plane is told of every shard; ``proxy_urls``: where the gateways
-        reach each ready shard (agent.py knows, from the front doors and its shared proxy)."""
+        reach each ready shard (agent.py knows, from the front doors and its shared proxy);
+        ``adapters``: each engine's runtime adapters (adapter_sync.py)."""
         urls = proxy_urls or {}
+        held = adapters or {}
         now = self._clock()
         out: list[ShardBinding] = []
         seen: set[str] = set()
@@ -395,6 +411,7 @@ class Supervisor:
                     now=now,
                     proxy_url=urls.get(sid, ""),
                     extra_reason=extra,
+                    adapters=held.get(sid, ()),
                 )
             )
         for sid, p in sorted((self.desired or {}).items()):

@@ -19,6 +19,8 @@ class SupervisorConfig:
     # How to start a wrapper: [python, -m, llmgw, shard-run]; --shard-dir is appended.
     wrapper_argv: tuple[str, ...]
     port_range: tuple[int, int] = (20000, 29999)
+    # The CPUs CPU shards' cores are picked from (cores.py); empty: those the agent may run on.
+    cpu_ids: tuple[int, ...] = ()
     # Each leader's front door (frontdoor.py): where it listens (the management address),
     # the range its port comes from, and what it is handed with the launch.
     proxy_host: str = "127.0.0.1"

@@ -3,7 +3,9 @@
 Every ~2 s (jittered so a thousand agents restarted together do not sync in
 step) the agent posts its bindings, its inventory when it changed, and the
 desired_version it last applied; the answer is either "unchanged" or the
-node's complete desired set, which it hands to the supervisor.
+node's complete desired set, which it hands to the supervisor. A change the
+control plane waits on (an engine's runtime adapter loaded: requests for it are
+held in the gateways until then) pokes the loop to sync at once instead.
 
 Failures back off exponentially and change nothing on the node (fail
 static): engines keep running on the last desired set, crashed ones keep
@@ -26,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llmgw.eventloop import wait_event
+from llmgw.eventloop import cancel_and_wait, wait_event
 from llmgw.logs import get_logger
 from llmgw.nodeagent.client import ControlPlaneClient, ControlPlaneError, Incompatible, Refused
 from llmgw.nodeagent.state import AgentState, NodeIdentity
@@ -55,6 +57,9 @@ class SyncTiming:
     interval_s: float = 2.0
     backoff_max_s: float = 30.0
     jitter: float = 0.2
+    # A round asked for early (``SyncLoop.poke``) starts at least this long after the one
+    # before: a burst of changes on a node is one report, not one each.
+    early_gap_s: float = 0.25
 
 
 def backoff_s(failures: int, timing: SyncTiming, rand: float) -> float:
@@ -111,6 +116,13 @@ class SyncLoop:
         self.num_failures_total = 0
         self.last_ok_mono: float | None = None
         self.instances: tuple[ControlPlaneInstance, ...] = ()
+        self._poked = asyncio.Event()
+        self._round_started = float("-inf")
+
+    def poke(self) -> None:
+        """Sync soon rather than at the next period: something the control plane acts on
+        changed on this node (an adapter loaded). A failing loop keeps its backoff."""
+        self._poked.set()
 
     # --- state changes, logged once ---------------------------------------------
 
@@ -163,6 +175,9 @@ class SyncLoop:
     async def round(self, *, apply: bool = True) -> None:
         """One sync; raises ControlPlaneError on failure. ``apply=False`` only reports (the
         agent's last word before it exits): the answer's desired set is not acted on."""
+        # Cleared before the bindings are read: a change after this point pokes again.
+        self._poked.clear()
+        self._round_started = time.monotonic()
         if self.identity is None:
             self.identity = await self._register()
         identity = self.identity
@@ -209,6 +224,34 @@ class SyncLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         rng = random.Random()
+        stopping = asyncio.create_task(self._poke_on(stop), name="sync-stop")
+        try:
+            await self._run(stop, rng)
+        finally:
+            await cancel_and_wait(stopping)
+
+    async def _poke_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._poked.set()
+
+    async def _pause(self, stop: asyncio.Event, wait_s: float) -> None:
+        """The period (or backoff), cut short by a poke once ``early_gap_s`` has passed since
+        the last round began."""
+        deadline = time.monotonic() + wait_s
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or not await wait_event(self._poked, left) or stop.is_set():
+                return
+            if self.failures:
+                # Unreachable or refused: a change on the node does not shorten the backoff.
+                await wait_event(stop, max(0.0, deadline - time.monotonic()))
+                return
+            gap = self._round_started + self.timing.early_gap_s - time.monotonic()
+            if gap > 0:
+                await wait_event(stop, min(gap, left))
+            return
+
+    async def _run(self, stop: asyncio.Event, rng: random.Random) -> None:
         while not stop.is_set():
             try:
                 await self.round()
@@ -229,4 +272,4 @@ class SyncLoop:
                 self.num_failures_total += 1
                 log.exception("sync_round_failed")
             wait = backoff_s(self.failures, self.timing, rng.random())
-            await wait_event(stop, wait)
+            await self._pause(stop, wait)

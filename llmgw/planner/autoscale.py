@@ -14,7 +14,11 @@ counts exactly as it does on an operator's ``replicas``. Rules, in the order the
 - idle: no request held, queued or in flight for ``zero_after_s`` stops every replica above
   ``min_replicas``; for ``suspend_after_s``, it suspends them (kept placed, engine asleep);
   a suspended replica is stopped once it has been idle ``zero_after_s`` in all, even if the
-  deployment came back to life meanwhile with fewer replicas;
+  deployment came back to life meanwhile with fewer replicas. Where the profile's engine
+  cannot suspend (``suspend_refusal``: vLLM without sleep mode, or on the CPU, where its sleep
+  mode does not exist), ``suspend_after_s`` stops them instead, and the reason says why: a
+  placement kept for an engine whose agent stops it would hold GPUs or CPU threads that serve
+  nobody, and its wake is a cold start either way;
 - up: the recommendation (backlog / target per replica, the largest of the targets given)
   stayed above the serving count for the whole ``scale_up_window_s``; one step per window, at
   most doubling (HPA's default scale-up policy), and none while the last step's replicas are
@@ -203,8 +207,13 @@ def _why(s: DemandSample, p: AutoscalePolicy, serving: int, *, up: bool) -> str:
     return " and ".join(parts) if parts else f"{s.in_flight} requests in flight"
 
 
-def decide(history: History, policy: AutoscalePolicy, now: datetime) -> Decision:
-    """The deployment's desired (serving) and warm (placed) replica counts at ``now``."""
+def decide(
+    history: History, policy: AutoscalePolicy, now: datetime, *, suspend_refusal: str = ""
+) -> Decision:
+    """The deployment's desired (serving) and warm (placed) replica counts at ``now``.
+
+    ``suspend_refusal``: why the profile's engine cannot suspend (``Engine.suspend_refusal``);
+    "" when it can."""
     p = policy
     st = history.state
     samples = history.samples
@@ -253,11 +262,22 @@ def decide(history: History, policy: AutoscalePolicy, now: datetime) -> Decision
                 f"idle for {idle_s:.0f} s \u2265 zero_after_s {p.zero_after_s:g}",
             )
         if p.suspend_after_s is not None and idle_s >= p.suspend_after_s:
-            return scaled(
-                p.min_replicas,
-                warm,
-                f"suspended: idle for {idle_s:.0f} s \u2265 suspend_after_s {p.suspend_after_s:g}",
-            )
+            idle = f"idle for {idle_s:.0f} s \u2265 suspend_after_s {p.suspend_after_s:g}"
+            if suspend_refusal:
+                return scaled(
+                    p.min_replicas,
+                    p.min_replicas,
+                    f"stopped, not suspended ({suspend_refusal}): {idle}",
+                )
+            return scaled(p.min_replicas, warm, f"suspended: {idle}")
+    if suspend_refusal and warm > desired:
+        # Suspended before its profile lost the ability (an edit): their engines are stopped,
+        # so nothing is gained by keeping them placed.
+        return result(
+            desired,
+            desired,
+            f"stopped {warm - desired} suspended replicas: they cannot suspend ({suspend_refusal})",
+        )
     if warm > desired and p.zero_after_s is not None and st.suspended_since is not None:
         # A suspended replica is an idle one: it was idle suspend_after_s when suspended, so
         # it stops zero_after_s - suspend_after_s later, whether or not the deployment is

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from llmgw.engines import Profile as EngineProfile
-from llmgw.engines import placement_requirements
+from llmgw.engines import placement_requirements, reference_engine
 from llmgw.errors import LlmgwError
 from llmgw.planner.snapshot import (
     GPU,
@@ -138,6 +138,8 @@ class Launch:
     requirements: PlacementRequirements
     # Why it cannot be launched, for the deployment's status; "" when it can.
     refusal: str = ""
+    # Why its engine cannot suspend its replicas (Engine.suspend_refusal); "" when it can.
+    suspend_refusal: str = ""
 
 
 def launch_of(name: str, gpu_class: str, build: Callable[[], EngineProfile]) -> Launch:
@@ -149,7 +151,11 @@ def launch_of(name: str, gpu_class: str, build: Callable[[], EngineProfile]) -> 
     """
     try:
         profile = build()
-        return Launch(profile=profile, requirements=placement_requirements(profile))
+        return Launch(
+            profile=profile,
+            requirements=placement_requirements(profile),
+            suspend_refusal=reference_engine(profile.engine).suspend_refusal(profile),
+        )
     except (LlmgwError, ValueError) as exc:
         return Launch(
             profile=None,

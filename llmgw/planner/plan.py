@@ -216,12 +216,14 @@ class _Round:
         keep = max(0, d.placed_replicas - d.replicas)
         kept = asleep[:keep]
         surplus = sorted(running, key=_removal_order)[: max(0, len(running) - d.replicas)]
+        refusal = d.profile.suspend_refusal
+        why = (
+            f"autoscale: idle, kept placed with its engine stopped ({refusal})"
+            if refusal
+            else "autoscale: idle, kept placed with its engine suspended"
+        )
         for r in [r for r in surplus if serving(r)][: keep - len(kept)]:
-            self.actions.append(
-                SetShardsDesiredState(
-                    r.id, "suspended", "autoscale: idle, kept placed with its engine suspended"
-                )
-            )
+            self.actions.append(SetShardsDesiredState(r.id, "suspended", why))
             kept.append(r)
         return {r.id for r in kept}
 

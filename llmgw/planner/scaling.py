@@ -124,7 +124,12 @@ def scale_snapshot(
             frozen=_frozen(d.status.reason, d.status.stalled, broken.get(d.id)),
             ready=ready.get(d.id, 0),
         )
-        decision = decide(History(history.of(served.get(d.id, d.name)), st), d.autoscale, now)
+        decision = decide(
+            History(history.of(served.get(d.id, d.name)), st),
+            d.autoscale,
+            now,
+            suspend_refusal=d.profile.suspend_refusal,
+        )
         decisions[d.id] = decision
         views.append(replace(d, replicas=decision.desired, warm_replicas=decision.warm))
     return replace(snapshot, deployments=tuple(views)), decisions

@@ -122,6 +122,10 @@ class ProfileView:
     # From llmgw.engines.placement_requirements(profile), so the engines'
     # rules (data parallelism counted, mpirun's uniform ranks) live in one place.
     requirements: PlacementRequirements
+    # Why its engine stops a replica the control plane wants asleep rather than suspending it
+    # (llmgw.engines Engine.suspend_refusal: vLLM without sleep mode, or on the CPU); "": it
+    # suspends. The autoscaler then stops idle replicas, and status says the engines stopped.
+    suspend_refusal: str = ""
 
     @property
     def gpu_class(self) -> str:

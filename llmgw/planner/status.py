@@ -41,7 +41,7 @@ def _reason(
     unplaced: Unplaceable | None,
 ) -> str:
     if d.suspended:
-        return f"suspended: {num_active} replicas keep their placement, engines suspended"
+        return f"suspended: {num_active} replicas keep their placement, {_engines_asleep(d)}"
     if complete:
         return f"complete: {ready} of {d.replicas} replicas ready"
     parts = [f"{updated} of {d.replicas} replicas updated, {ready} ready"]
@@ -67,6 +67,12 @@ def _reason(
                 "add capacity or raise max_unavailable"
             )
     return "; ".join(parts)
+
+
+def _engines_asleep(d: DeploymentView) -> str:
+    """What the agents did with the engines of replicas desired suspended."""
+    refusal = d.profile.suspend_refusal
+    return f"engines stopped: {refusal}" if refusal else "engines suspended"
 
 
 def compute_status(
@@ -116,7 +122,10 @@ def compute_status(
         unplaced=unplaced,
     )
     if num_suspended and not d.suspended:
+        refusal = d.profile.suspend_refusal
         reason = f"{reason}; {num_suspended} suspended"
+        if refusal:
+            reason = f"{reason} ({_engines_asleep(d)})"
     if stalled:
         reason = f"progress deadline {d.progress_deadline_s} s exceeded: {reason}"
     return RolloutStatus(

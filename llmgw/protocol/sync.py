@@ -42,10 +42,13 @@ __all__ = [
     "MAX_INSTANCES",
     "MAX_LOG_TAIL_CHARS",
     "MAX_REASON_CHARS",
+    "MAX_RUNTIME_ADAPTERS",
     "MAX_SHARDS",
     "PROTOCOL_VERSION",
     "REGISTER_PATH",
     "SYNC_PATH",
+    "AdapterObserved",
+    "AdapterState",
     "ApprovalState",
     "ControlPlaneInstance",
     "DesiredShard",
@@ -58,6 +61,7 @@ __all__ = [
     "ProtocolErrorBody",
     "RegisterRequest",
     "RegisterResponse",
+    "RuntimeAdapter",
     "ShardBinding",
     "SyncRequest",
     "SyncResponse",
@@ -90,6 +94,9 @@ MAX_REASON_CHARS = 2048
 # or a CUDA error, small enough that 256 failing shards stay one request.
 MAX_LOG_TAIL_CHARS = 8192
 MAX_VERSION_CHARS = 256
+# LoRA adapters one engine holds loaded at runtime: vLLM's --max-cpu-loras and SGLang's
+# --max-loaded-loras are in the tens to hundreds on a large GPU.
+MAX_RUNTIME_ADAPTERS = 1024
 
 ApprovalState = Literal["pending", "approved"]
 DesiredState = Literal["running", "suspended", "stopped"]
@@ -99,6 +106,11 @@ DesiredState = Literal["running", "suspended", "stopped"]
 # not (or cannot yet) run it: a crash loop, a refused spec, an unreadable
 # state record; `reason` says which.
 ObservedState = Literal["starting", "ready", "unhealthy", "draining", "exited", "failed"]
+# A runtime adapter on a shard's engine, as its agent sees it. loading: the engine's load call
+# is under way; loaded: it answered success (requests for it may be sent); failed: the last
+# load failed, `reason` is the engine's (or the node policy's) answer and the agent retries
+# with backoff; unloading: the engine's unload call is under way.
+AdapterState = Literal["loading", "loaded", "failed", "unloading"]
 
 _Name = Field(min_length=1, max_length=MAX_NAME_CHARS)
 
@@ -253,6 +265,19 @@ class ShardBinding(_Wire):
     started_at: float | None = None
     # The end of the engine's log, only when failed.
     log_tail: str = Field(default="", max_length=MAX_LOG_TAIL_CHARS)
+    # The runtime adapters of the engine (rank 0 only): every one desired or still held,
+    # with its state. Empty for engines that load none at runtime.
+    adapters: tuple[AdapterObserved, ...] = Field(default=(), max_length=MAX_RUNTIME_ADAPTERS)
+
+
+class AdapterObserved(_Wire):
+    """One runtime LoRA adapter on a shard's engine, as the agent reports it."""
+
+    name: str = _Name
+    state: AdapterState
+    reason: str = Field(default="", max_length=MAX_REASON_CHARS)
+    # Failed loads in a row (reset by a success): what the agent's backoff counts.
+    failures: int = Field(default=0, ge=0)
 
 
 class SyncRequest(_Wire):
@@ -277,6 +302,18 @@ class ControlPlaneInstance(_Wire):
     internal_url: str = Field(min_length=1, max_length=MAX_URL_CHARS)
 
 
+class RuntimeAdapter(_Wire):
+    """A LoRA adapter the leader placed on a replica (a `kind: adapter` document): what the
+    agent loads into the running engine without a restart."""
+
+    name: str = _Name
+    # A directory on the node (under agent.policy.allowed_model_roots when that is set) or
+    # an http(s) source the agent fetches first, as a profile's adapters take it.
+    path: str = Field(min_length=1, max_length=MAX_URL_CHARS)
+    # Kept loaded: the agent never unloads it to make room.
+    pinned: bool = False
+
+
 class DesiredShard(_Wire):
     """One shard the node should run (or hold suspended, or stop)."""
 
@@ -294,6 +331,10 @@ class DesiredShard(_Wire):
     engine_api_key: str = Field(default="", max_length=MAX_TOKEN_CHARS, repr=False)
     # The model's name, for logs and metrics.
     model: str = Field(default="", max_length=MAX_NAME_CHARS)
+    # The runtime adapters the engine should hold loaded (rank 0 of a profile with
+    # adapter_slots > 0; the leader's placement). Not part of the spec nor its fingerprint:
+    # a change loads or unloads adapters in the running engine, never restarts it.
+    adapters: tuple[RuntimeAdapter, ...] = Field(default=(), max_length=MAX_RUNTIME_ADAPTERS)
 
 
 class SyncResponse(_Wire):

@@ -64,10 +64,11 @@ def build_process(cp: ControlPlaneSettings) -> Process:
 def build_apps(settings: Settings, process: Process) -> tuple[ASGIApp, ASGIApp]:
     """The internal and the public app, over the same parts."""
     from llmgw.controlplane.internal_app import create_app
+    from llmgw.gateway.apis.families import public_routes
     from llmgw.gateway.asgi import create_public_app
 
     parts = process.parts
-    internal = create_app(settings.controlplane, parts=parts)
+    internal = create_app(settings.controlplane, parts=parts, public_routes=public_routes())
     public = create_public_app(
         settings.gateway,
         sessions=parts.sessions,
@@ -171,9 +172,10 @@ def internal_with_gateway_metrics(settings: Settings, process: Process) -> ASGIA
     from typing import Any
 
     from llmgw.controlplane.internal_app import create_app
+    from llmgw.gateway.apis.families import public_routes
     from llmgw.serve.gateway_metrics import GatewayMetrics
 
-    app = create_app(settings.controlplane, parts=process.parts)
+    app = create_app(settings.controlplane, parts=process.parts, public_routes=public_routes())
     gateways = GatewayMetrics(lambda: app.state.agent_api.instances.live)
     process.parts.registry.register(gateways)
     outer = app.router.lifespan_context

@@ -3,7 +3,8 @@
 Flag names follow vLLM wherever vLLM has the concept (the `sim` engine
 adapter's contract: `--kv-events-config` takes vLLM's JSON object with vLLM's
 field names), so the agent's KV-event plumbing treats the simulator exactly
-like vLLM.
+like vLLM. `--kv-transfer-config` (vLLM's KVTransferConfig) is parsed in
+kv_transfer.py.
 
 Must NOT read the environment or argv itself: `llmgw/commands/simengine.py`
 does, once, and passes values in.
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmgw.errors import ConfigError
 from llmgw.kv.hashing import ExtraKeyFormat
+from llmgw.simengine.kv_transfer import KvTransfer
 from llmgw.simengine.limits import DEFAULT_MAX_BODY_BYTES
 from llmgw.simengine.scheduler import SchedulerConfig
 from llmgw.simengine.timing import TimingModel
@@ -27,6 +29,7 @@ __all__ = [
     "KvEventsConfig",
     "LoraModule",
     "SimEngineConfig",
+    "parse_allow_runtime_lora_updating",
     "parse_kv_events_config",
     "parse_lora_module",
 ]
@@ -110,6 +113,12 @@ def parse_lora_module(raw: str) -> LoraModule:
     return LoraModule(name=name, path=path)
 
 
+def parse_allow_runtime_lora_updating(raw: str | None) -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it (`vllm/envs.py`): "1" or "true", any
+    case, with surrounding spaces ignored; anything else, unset included, is off."""
+    return raw is not None and raw.strip().lower() in ("1", "true")
+
+
 @dataclass(frozen=True, slots=True)
 class SimEngineConfig:
     model: str = "sim-model"
@@ -123,6 +132,8 @@ class SimEngineConfig:
     kv_events_shape: Literal["map", "array"] = "map"
     kv_events_hash: Literal["int", "bytes"] = "int"
     kv_extra_key_format: ExtraKeyFormat = "tagged"
+    # --kv-transfer-config: vLLM's shared-storage KV connector (kv_transfer.py); None = none.
+    kv_transfer: KvTransfer | None = None
     load_time_s: float = 0.0
     seed: int = 0
     # --tokenizer: a model directory's tokenizer files (tokenizer.json + chat template), used as
@@ -135,6 +146,20 @@ class SimEngineConfig:
     api_key: str | None = None
     # --max-body-bytes: larger request bodies are refused 413 (limits.py says why and how).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: attaches /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter (lora_routes.py); False leaves them absent (404), as in vLLM.
+    allow_runtime_lora_updating: bool = False
+    # --max-loras: vLLM's adapters per batch. It is the `max_lora` label of
+    # vllm:lora_requests_info and the floor of max_cpu_loras. The simulator's scheduler does
+    # not apply it to batches (lora_runtime.py says what follows from that).
+    max_loras: int = 1
+    # --max-cpu-loras: adapters held at once, least recently used evicted past it
+    # (lora_runtime.py). None: max_loras, vLLM's default.
+    max_cpu_loras: int | None = None
+    # --lora-load-time-s: seconds a runtime load takes before it answers, and the extra time of a
+    # step that reads an evicted adapter again. Wall seconds like --load-time-s, not multiplied
+    # by --time-scale: a load is disk I/O, not GPU work the scale stands for.
+    lora_load_time_s: float = 0.2
 
     def __post_init__(self) -> None:
         names = [self.served_model_name, *(m.name for m in self.lora_modules)]
@@ -147,6 +172,23 @@ class SimEngineConfig:
             )
         if self.load_time_s < 0:
             raise ConfigError(f"--load-time-s {self.load_time_s} is negative", field="load_time_s")
+        if not self.lora_load_time_s >= 0:  # also catches NaN
+            raise ConfigError(
+                f"--lora-load-time-s {self.lora_load_time_s} is negative; use a value >= 0",
+                field="lora_load_time_s",
+            )
+        if self.max_loras < 1:
+            raise ConfigError(
+                f"--max-loras {self.max_loras} is below 1; a batch holds at least one adapter",
+                field="max_loras",
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM's LoRAConfig check, with its wording first.
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}); "
+                "raise --max-cpu-loras or leave it unset (it defaults to --max-loras)",
+                field="max_cpu_loras",
+            )
         if self.max_body_bytes < 1024:
             # Below 1 KiB even a one-line chat request (model, messages, headers' worth of
             # options) would be refused.
@@ -156,15 +198,13 @@ class SimEngineConfig:
                 field="max_body_bytes",
             )
 
-    def lora_id(self, name: str) -> int | None:
-        """vLLM's integer id for an adapter: its place in --lora-modules, counting from 1."""
-        for i, module in enumerate(self.lora_modules, start=1):
-            if module.name == name:
-                return i
-        return None
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters held at once: --max-cpu-loras, else --max-loras (vLLM's default)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
-    def lora_path(self, name: str) -> str | None:
-        for module in self.lora_modules:
-            if module.name == name:
-                return module.path
-        return None
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether this engine serves adapters at all: vLLM would be started with --enable-lora
+        for --lora-modules or runtime loading. It decides whether vllm:lora_requests_info exists."""
+        return bool(self.lora_modules) or self.allow_runtime_lora_updating

@@ -6,6 +6,11 @@ describe the same cache), sleeps until the modelled step duration has passed
 (counted from the end of the previous step, so the CPU time spent scheduling
 and delivering is inside the modelled time, not added to it) and then hands
 each request its new token. HTTP handlers only submit, wait on their `RequestStream`, and abort.
+With `--kv-transfer-config`, the scheduler looks prompts up in the shared storage
+(kv_storage.py) when it admits them, and a producer's step writes the prompts it
+completed there on a worker thread while the step's modelled time passes, before their
+tokens are delivered: a client that got its answer from the producer finds the blocks
+stored.
 
 A stream is woken at most once per step however many tokens it got, and a
 handler writes everything pending in one send: that is what keeps the CPU
@@ -31,6 +36,9 @@ from llmgw.logs import get_logger
 from llmgw.simengine.config import SimEngineConfig
 from llmgw.simengine.control import ControlSignal, EngineState, apply_signal
 from llmgw.simengine.hf_tokens import HfEngineTokenizer, read_tokenizer_dir
+from llmgw.simengine.kv_storage import SharedKvStorage
+from llmgw.simengine.kv_transfer import KvSave
+from llmgw.simengine.lora_runtime import LoraAdapter, LoraRegistry, LoraRequestCounts
 from llmgw.simengine.metrics import EngineMetrics
 from llmgw.simengine.publisher import KvEventPublisher
 from llmgw.simengine.sampling import SampledOutput, Sampler
@@ -84,6 +92,11 @@ class GenerationParams:
     # The request fields errors name: "messages" for chat, "max_completion_tokens" when sent.
     prompt_field: str = "prompt"
     max_tokens_field: str = "max_tokens"
+    # vLLM's ignore_eos. True, the simulator's rule for completions and chat: max_tokens is
+    # the output's length (benchmarks need predictable lengths). False (Responses, Messages,
+    # whose clients must send a limit): max_tokens is a ceiling over a drawn natural length,
+    # else every answer would be cut at the limit.
+    ignore_eos: bool = True
 
 
 class RequestStream:
@@ -95,6 +108,7 @@ class RequestStream:
         "arrival",
         "done",
         "last_token_at",
+        "lora_name",
         "num_cached_tokens",
         "num_emitted",
         "num_prompt_tokens",
@@ -115,6 +129,8 @@ class RequestStream:
         self.done = False
         self.aborted = False
         self.last_token_at = arrival
+        # The adapter's name while the request is unfinished (vllm:lora_requests_info counts it).
+        self.lora_name: str | None = None
         # A non-streamed response waits for the end only: waking it per token would cost a
         # future and a task switch per token for nothing.
         self.streaming = True
@@ -148,12 +164,29 @@ class SimEngine:
         self.config = config
         self.tokenizer: EngineTokenizer = tokenizer or _tokenizer_of(config)
         self.sampler = Sampler(self.tokenizer, default_seed=config.seed)
-        self.scheduler = Scheduler(config.scheduler)
+        transfer = config.kv_transfer
+        self.kv_storage = None if transfer is None else SharedKvStorage(transfer)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            kv_lookup=self.kv_storage.leading_run
+            if self.kv_storage is not None and self.kv_storage.transfer.is_consumer
+            else None,
+            kv_save=self.kv_storage is not None and self.kv_storage.transfer.is_producer,
+        )
         self.metrics = EngineMetrics(
             config.served_model_name,
             block_size=config.scheduler.block_size,
             num_blocks=config.scheduler.num_blocks,
+            max_loras=config.max_loras if config.lora_enabled else None,
         )
+        # Registered and held adapters; the LoRA routes and the step loop change them.
+        self.adapters = LoraRegistry(
+            config.lora_modules,
+            base_model=config.served_model_name,
+            max_cpu_loras=config.lora_capacity,
+            load_time_s=config.lora_load_time_s,
+        )
+        self._lora_requests = LoraRequestCounts()
         self.state = EngineState.RUNNING
         self.ready = False
         # Set when the step loop died: requests would otherwise hang forever on a live socket.
@@ -169,7 +202,8 @@ class SimEngine:
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._hashers: dict[
-            tuple[str | None, str | None], tuple[BlockHasher, Callable[[int], Any] | None]
+            tuple[str | None, str | None, str | None],
+            tuple[BlockHasher, Callable[[int], Any] | None],
         ] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -186,6 +220,7 @@ class SimEngine:
         for stream in self._streams.values():
             stream.aborted = True
             stream.wake()
+        self._lora_requests.clear()
         if self._publisher is not None:
             await self._publisher.close()
 
@@ -196,18 +231,24 @@ class SimEngine:
             raise EngineDeadError("the engine's step loop failed; see its log, then restart it")
         if not self.ready:
             raise EngineLoadingError("the engine is loading its model; retry when /health is 200")
+        # Resolved when the request was parsed, but an unload may have come in between (while
+        # the body was parsed on a worker thread, say): then it is the 404 it would be now.
+        adapter = None if params.lora_name is None else self.adapters.require(params.lora_name)
         prompt = params.prompt_token_ids
         room = self._check_limits(params)
+        max_tokens = params.max_tokens
+        if not params.ignore_eos and max_tokens is not None:
+            room, max_tokens = min(room, max_tokens), None
         output = self.sampler.sample(
             prompt,
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             room=room,
             seed=params.seed,
             temperature=params.temperature,
             stop=params.stop,
             stop_token_ids=params.stop_token_ids,
         )
-        hasher, event_extra = self._hasher(params.lora_name, params.cache_salt)
+        hasher, event_extra = self._hasher(adapter, params.cache_salt)
         request_id = str(next(self._ids))
         self.scheduler.add_request(
             RequestSpec(
@@ -215,13 +256,16 @@ class SimEngine:
                 prompt_token_ids=prompt,
                 output_token_ids=output.token_ids,
                 hasher=hasher,
-                lora_name=params.lora_name,
-                lora_id=self.config.lora_id(params.lora_name) if params.lora_name else None,
+                lora_name=None if adapter is None else adapter.name,
+                lora_id=None if adapter is None else adapter.lora_id,
                 event_extra_keys=event_extra,
             )
         )
         stream = RequestStream(request_id, output, len(prompt), asyncio.get_running_loop().time())
         self._streams[request_id] = stream
+        if adapter is not None:
+            stream.lora_name = adapter.name
+            self._lora_requests.add(adapter.name)
         self._wake.set()
         return stream
 
@@ -268,19 +312,28 @@ class SimEngine:
             return
         stream.aborted = True
         stream.wake()
+        self._request_gone(stream)
         if self.scheduler.abort(stream.request_id):
             _log.info("request_aborted", request=stream.request_id, emitted=stream.num_emitted)
             self.metrics.request_finished("abort")
         self._flush_events()
 
+    def _request_gone(self, stream: RequestStream) -> None:
+        if stream.lora_name is not None:
+            self._lora_requests.remove(stream.lora_name)
+            stream.lora_name = None
+
     def _hasher(
-        self, lora_name: str | None, cache_salt: str | None
+        self, adapter: LoraAdapter | None, cache_salt: str | None
     ) -> tuple[BlockHasher, Callable[[int], Any] | None]:
-        key = (lora_name, cache_salt)
+        lora_name = None if adapter is None else adapter.name
+        lora_path = None if adapter is None else adapter.path
+        # The path is part of the key: an adapter unloaded and loaded again from another path
+        # hashes its blocks differently (vLLM >= 0.31's tagged extra key carries the path).
+        key = (lora_name, lora_path, cache_salt)
         cached = self._hashers.get(key)
         if cached is not None:
             return cached
-        lora_path = self.config.lora_path(lora_name) if lora_name else None
         keys = {"lora_name": lora_name, "lora_path": lora_path, "cache_salt": cache_salt}
         fmt = self.config.kv_extra_key_format
         first = extra_keys_for_block(0, **keys, extra_key_format=fmt)
@@ -356,6 +409,7 @@ class SimEngine:
                 stream.aborted = True
                 stream.wake()
             self._streams.clear()
+            self._lora_requests.clear()
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -377,16 +431,50 @@ class SimEngine:
             self._flush_events()
             delay = (
                 started
-                + timing.step_duration_s(result.num_prefill_tokens, result.num_decode_seqs)
+                + timing.step_duration_s(
+                    result.num_prefill_tokens, result.num_decode_seqs, result.num_loaded_tokens
+                )
+                + (self._activate_adapters(result.lora_ids) if result.lora_ids else 0.0)
                 - loop.time()
             )
-            await asyncio.sleep(delay if delay > 0 else 0)
+            if result.kv_saves:
+                # Written while the step's time passes (vLLM's connector saves during the
+                # forward pass), and done before delivery: an answered prompt is stored.
+                await asyncio.gather(
+                    asyncio.sleep(delay if delay > 0 else 0), self._save_kv(result.kv_saves)
+                )
+            else:
+                await asyncio.sleep(delay if delay > 0 else 0)
             # The next step's modelled time starts now, before this step's tokens are handed
             # out: delivering (hundreds of socket writes) overlaps the next step as CPU work
             # overlaps GPU work in a real engine. Starting the clock after delivery would make
             # every step longer than modelled, more so the more streams are open.
             started = loop.time()
             self._deliver(result, started)
+
+    async def _save_kv(self, saves: tuple[KvSave, ...]) -> None:
+        storage = self.kv_storage
+        if storage is None:
+            return
+        try:
+            await asyncio.to_thread(storage.save, saves)
+        except OSError as exc:
+            # A block not stored is a block the consumer computes: slower, never wrong, so
+            # the engine keeps serving (a full disk must not kill the producer).
+            _log.warning("kv_store_failed", path=str(storage.path), error=str(exc))
+
+    def _activate_adapters(self, lora_ids: frozenset[int]) -> float:
+        """Seconds this step spends reading evicted adapters back, as vLLM's model runner reads
+        them before the forward pass and the whole batch waits for it."""
+        change = self.adapters.activate(lora_ids, self.scheduler.running_lora_ids)
+        if not change.loaded:
+            return 0.0
+        _log.info(
+            "lora_adapters_reloaded",
+            adapters=[a.name for a in change.loaded],
+            evicted=[a.name for a in change.evicted],
+        )
+        return len(change.loaded) * self.config.lora_load_time_s
 
     def _flush_events(self) -> None:
         events = self.scheduler.take_events()
@@ -420,6 +508,7 @@ class SimEngine:
             if stream is None:
                 continue
             stream.done = True
+            self._request_gone(stream)
             if not stream.streaming:
                 woken.append(stream)
             metrics.e2e_request_latency.observe(now - stream.arrival)
@@ -432,8 +521,15 @@ class SimEngine:
         if result.prefix_queries:
             metrics.prefix_cache_queries.inc(result.prefix_queries)
             metrics.prefix_cache_hits.inc(result.prefix_hits)
+        if result.external_queries:
+            metrics.external_prefix_cache_queries.inc(result.external_queries)
+            metrics.external_prefix_cache_hits.inc(result.num_loaded_tokens)
         if result.num_preempted:
             metrics.num_preemptions.inc(result.num_preempted)
+        if self.config.lora_enabled:
+            metrics.lora_requests(self._lora_requests.names())
+            if result.finished:
+                self.adapters.trim(self.scheduler.running_lora_ids)
         self._update_gauges()
 
     def _update_gauges(self) -> None:

@@ -53,6 +53,7 @@ from llmgw.simengine.limits import (
     parse_json_body,
     read_capped_body,
 )
+from llmgw.simengine.lora_runtime import LoraSlotsFullError
 from llmgw.simengine.openai_wire import ResponseEncoder, error_body, usage_dict
 from llmgw.simengine.tokenizer import EngineTokenizer
 
@@ -63,6 +64,7 @@ __all__ = [
     "Scope",
     "Send",
     "authorized",
+    "chat_generation_params",
     "chat_token_ids",
     "resolve_model",
     "spec_error_of",
@@ -86,7 +88,7 @@ _SHOWN_ERRORS = 3
 
 
 def status_of(exc: LlmgwError) -> int:
-    if isinstance(exc, EngineLoadingError | EngineDeadError):
+    if isinstance(exc, EngineLoadingError | EngineDeadError | LoraSlotsFullError):
         return 503
     if isinstance(exc, AuthError):
         return 401
@@ -273,16 +275,18 @@ def _stream_error() -> bytes:
 
 
 def resolve_model(engine: SimEngine, name: str | None) -> tuple[str, str | None]:
-    """(model name to report, LoRA name or None)."""
+    """(model name to report, LoRA name or None). May run on a worker thread: it only reads
+    the adapter registry (and spends an id, which is atomic)."""
     cfg = engine.config
     if name is None or name == cfg.served_model_name:
         return cfg.served_model_name, None
-    if cfg.lora_path(name) is not None:
+    if engine.adapters.get(name) is not None:
         return name, name
-    have = ", ".join([cfg.served_model_name, *(m.name for m in cfg.lora_modules)])
-    raise NotFoundError(
-        f"The model `{clip(name)}` does not exist (this engine serves: {have}).", field="model"
-    )
+    if cfg.allow_runtime_lora_updating and name:
+        # vLLM's resolve_lora spends a LoRA id on every unknown name before its resolvers
+        # (none here) give up; later loads' ids, which KV events carry, count it.
+        engine.adapters.note_unknown_model()
+    raise engine.adapters.unknown_model(name)
 
 
 def chat_token_ids(
@@ -334,8 +338,22 @@ def _prompt_ids(
     return ids
 
 
+def chat_generation_params(
+    engine: SimEngine, request: ChatCompletionRequest, *, prompt_field: str = "messages"
+) -> tuple[str, GenerationParams]:
+    """A chat request's model and generation parameters: what chat completions submits, and
+    what the Responses and Messages routes submit for the chat they convert to (api_routes.py),
+    so every route renders, tokenizes and caches a conversation one way. `prompt_field` is the
+    field an over-long prompt is blamed on. Thread-safe, like `_prepare`."""
+    return _generation_params(engine, "chat", request, chat_prompt_field=prompt_field)
+
+
 def _generation_params(
-    engine: SimEngine, kind: str, request: CompletionRequest | ChatCompletionRequest
+    engine: SimEngine,
+    kind: str,
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    chat_prompt_field: str = "messages",
 ) -> tuple[str, GenerationParams]:
     model, lora_name = resolve_model(engine, request.model)
     max_model_len = engine.config.scheduler.max_model_len
@@ -377,7 +395,7 @@ def _generation_params(
         max_tokens = request.max_tokens
         prompt_field, max_tokens_field = "prompt", "max_tokens"
     else:
-        prompt_field = "messages"
+        prompt_field = chat_prompt_field
         token_ids = _prompt_ids(
             tokenizer,
             _chat_text(tokenizer, request),

@@ -4,7 +4,14 @@
 the control routes (`/pause`, `/unpause`, `/suspend`, `/resume`) and
 `/debug/kv_blocks` are ordinary FastAPI; `/v1/completions` and
 `/v1/chat/completions` are dispatched to the raw ASGI handler before FastAPI
-sees them (see generation.py for why).
+sees them (see generation.py for why), and so are the other API families,
+`/v1/responses` (with GET and cancel), `/v1/messages` (with count_tokens) and
+the pooling routes `/v1/embeddings`, `/v1/rerank` and `/v1/score`
+(api_routes.py), which own their error shapes and streams. The runtime LoRA
+routes (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) are FastAPI too,
+attached by lora_routes.py only when runtime updating is allowed. While a load
+is in flight, every POST first passes lora_routes' wait, so a request naming
+the adapter being loaded waits for it, as in vLLM.
 
 Auth is vLLM's: with an API key set, every `/v1` route needs
 `Authorization: Bearer <key>`; `/health`, `/metrics`, `/tokenize` and the
@@ -35,6 +42,7 @@ from llmgw.simengine.api_models import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from llmgw.simengine.api_routes import ApiRoutes
 from llmgw.simengine.engine import SimEngine
 from llmgw.simengine.generation import (
     ASGIApp,
@@ -51,6 +59,7 @@ from llmgw.simengine.generation import (
     validation_message,
 )
 from llmgw.simengine.limits import OFFLOAD_BODY_BYTES, parse_json_body, read_capped_body
+from llmgw.simengine.lora_routes import add_lora_routes, hold_for_pending_load
 from llmgw.simengine.openai_wire import error_body
 
 __all__ = ["build_app"]
@@ -58,6 +67,8 @@ __all__ = ["build_app"]
 
 def build_app(engine: SimEngine) -> ASGIApp:
     """The ASGI app: lifespan starts and stops the engine's loop and publisher."""
+    generation = GenerationRoutes(engine)
+    families = ApiRoutes(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -65,6 +76,7 @@ def build_app(engine: SimEngine) -> ASGIApp:
         try:
             yield
         finally:
+            await families.close()
             await engine.stop()
 
     api = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -132,6 +144,8 @@ def build_app(engine: SimEngine) -> ASGIApp:
     async def models() -> dict[str, Any]:
         created = int(time.time())
         limit = config.scheduler.max_model_len
+        # A load whose time has come is listed even when its caller has not been answered yet.
+        engine.adapters.settle(asyncio.get_running_loop().time())
         data: list[dict[str, Any]] = [
             {
                 "id": config.served_model_name,
@@ -143,14 +157,15 @@ def build_app(engine: SimEngine) -> ASGIApp:
                 "max_model_len": limit,
             }
         ]
-        for module in config.lora_modules:
+        # --lora-modules and runtime loads alike, in load order, as vLLM lists lora_requests.
+        for adapter in engine.adapters.adapters():
             data.append(
                 {
-                    "id": module.name,
+                    "id": adapter.name,
                     "object": "model",
                     "created": created,
                     "owned_by": "llmgw-simengine",
-                    "root": module.path,
+                    "root": adapter.path,
                     "parent": config.served_model_name,
                     "max_model_len": limit,
                 }
@@ -224,13 +239,23 @@ def build_app(engine: SimEngine) -> ASGIApp:
     async def kv_blocks() -> dict[str, Any]:
         return engine.debug_blocks()
 
-    generation = GenerationRoutes(engine)
+    add_lora_routes(api, engine)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and generation.handles(scope["path"]):
-            await generation(scope, receive, send)
-        else:
-            await api(scope, receive, send)
+        if scope["type"] == "http":
+            if scope["method"] == "POST" and engine.adapters.has_pending:
+                held = await hold_for_pending_load(engine, scope, receive, send)
+                if held is None:
+                    return  # answered already, or the client left
+                receive = held
+            path = scope["path"]
+            if generation.handles(path):
+                await generation(scope, receive, send)
+                return
+            if families.handles(path):
+                await families(scope, receive, send)
+                return
+        await api(scope, receive, send)
 
     return app
 

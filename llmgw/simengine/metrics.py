@@ -10,6 +10,8 @@ Must NOT compute anything: the shell feeds it step results.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["EngineMetrics"]
@@ -25,7 +27,14 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, *, block_size: int = 16, num_blocks: int = 4096) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        max_loras: int | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
@@ -72,6 +81,17 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
+        # vLLM's KV-connector counters (always present, as in vLLM): tokens of the requests a
+        # connector was asked about, and the prompt tokens it supplied (loaded, not computed).
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in tokens.",
+        )
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in tokens.",
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
         self.num_preemptions = counter("vllm:num_preemptions", "Requests preempted.")
@@ -93,6 +113,33 @@ class EngineMetrics:
             "Request latency, arrival to last token.",
             _E2E_BUCKETS,
         )
+
+        # vLLM's LoRA info gauge, present only when LoRA is enabled (max_loras given), exposed as
+        # vLLM 0.32 exposes it (vllm/v1/metrics/loggers.py, stats.py): no model_name or engine
+        # label, the value is the time of the update, and each label combination ever seen stays
+        # with its last time, so a reader takes the series with the highest value. Both adapter
+        # labels list every adapter with an unfinished request: vLLM's LoRARequestStates fills
+        # both from one dict.
+        self._lora_info = (
+            None
+            if max_loras is None
+            else Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=reg,
+            )
+        )
+        self._max_lora = str(max_loras)
+
+    def lora_requests(self, names: Sequence[str]) -> None:
+        """Stamp the adapters with unfinished requests, as vLLM does once per engine step."""
+        if self._lora_info is None:
+            return
+        joined = ",".join(names)
+        self._lora_info.labels(
+            max_lora=self._max_lora, waiting_lora_adapters=joined, running_lora_adapters=joined
+        ).set_to_current_time()
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()

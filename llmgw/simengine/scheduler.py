@@ -24,6 +24,13 @@ Modelled on Megatron-core's DynamicInferenceEngine (reference engines.md
   this, requests that each fit alone deadlock together.
 - A request that could never fit (more blocks than the cache has, longer
   than max_model_len) is refused when added, never queued to wait forever.
+- KV transfer (vLLM's KV connector, kv_transfer.py): with `kv_lookup`, a
+  request admitted for the first time (or again) also loads the prompt blocks
+  past its local hit that the lookup finds, as vLLM's scheduler asks its
+  connector; they take blocks like computed ones, count as cached tokens, and
+  are reported as `num_loaded_tokens`, never as prefill. With `kv_save`, a
+  request's full prompt blocks are reported in `kv_saves` when its prefill
+  completes, for the shell to store.
 
 Pure and synchronous: the asyncio shell calls `step()`, sleeps the modelled
 duration and delivers the result. Must NOT import asyncio, zmq or do I/O.
@@ -32,7 +39,7 @@ duration and delivers the result. Must NOT import asyncio, zmq or do I/O.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -41,9 +48,11 @@ from llmgw.errors import ConflictError, SpecError
 from llmgw.kv.events import KVEvent
 from llmgw.kv.hashing import BlockHash
 from llmgw.simengine.block_pool import BlockPool
+from llmgw.simengine.kv_transfer import KvSave, lookup_span, prompt_blocks_to_store
 
 __all__ = [
     "BlockHasher",
+    "ExternalKvLookup",
     "RequestSpec",
     "RequestStatus",
     "Scheduler",
@@ -53,6 +62,10 @@ __all__ = [
 
 # (parent hash or None for the first block, the block's tokens, block index) -> the block's hash.
 BlockHasher = Callable[[BlockHash | None, tuple[int, ...], int], BlockHash]
+# A prompt's block hashes past the local hit, in chain order -> how many of the leading ones a
+# KV connector holds (vLLM's get_num_new_matched_tokens, in blocks). The shell's reads a
+# directory (kv_storage.py); the scheduler only calls it.
+ExternalKvLookup = Callable[[Sequence[BlockHash]], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +150,16 @@ class StepResult:
     prefix_hits: int
     num_paused: int
     num_preempted: int
+    # Prompt tokens loaded from the KV connector this step: cached for the request, not prefill
+    # (the cost model charges them as a transfer). `external_queries` counts the tokens of the
+    # requests looked up, as vLLM's external_prefix_cache_queries does.
+    num_loaded_tokens: int = 0
+    external_queries: int = 0
+    # Prompts whose prefill completed this step, for a producer to store (kv_save only).
+    kv_saves: tuple[KvSave, ...] = ()
+    # The adapter ids the step's batch used: vLLM puts these in its LoRA cache before the
+    # forward pass, so the shell charges a reload for any that was evicted (lora_runtime.py).
+    lora_ids: frozenset[int] = frozenset()
 
     @property
     def is_empty(self) -> bool:
@@ -146,8 +169,16 @@ class StepResult:
 class Scheduler:
     """Owns the requests and the block pool; mutated only by add/abort/step/suspend."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        kv_lookup: ExternalKvLookup | None = None,
+        kv_save: bool = False,
+    ) -> None:
         self.config = config
+        self.kv_lookup = kv_lookup
+        self.kv_save = kv_save
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self._requests: dict[str, _Request] = {}
         self._waiting: deque[_Request] = deque()
@@ -229,6 +260,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def running_lora_ids(self) -> set[int]:
+        """Adapter ids of the requests holding KV (running or paused): the adapters an eviction
+        must not take. Waiting requests are left out; vLLM reads their adapters when they run."""
+        return {
+            r.spec.lora_id for r in (*self._running, *self._paused) if r.spec.lora_id is not None
+        }
+
     def has_work(self) -> bool:
         return bool(self._running or self._paused or self._waiting)
 
@@ -263,9 +301,13 @@ class Scheduler:
 
         emitted: list[str] = []
         finished: list[str] = []
+        lora_ids: set[int] = set()
+        saves: list[KvSave] = []
         num_prefill = 0
         num_decode = 0
         for request, num_tokens in scheduled:
+            if request.spec.lora_id is not None:
+                lora_ids.add(request.spec.lora_id)
             if (
                 num_tokens == 1
                 and request.num_output > 0
@@ -280,6 +322,8 @@ class Scheduler:
                 continue  # a chunk of a longer prefill
             if request is self._chunked:
                 self._chunked = None
+            if self.kv_save and request.num_output == 0:
+                saves.append(self._kv_save_of(request))
             request.num_output += 1
             emitted.append(request.spec.request_id)
             if request.num_output == len(request.spec.output_token_ids):
@@ -297,6 +341,10 @@ class Scheduler:
             prefix_hits=counters.hits,
             num_paused=counters.paused,
             num_preempted=counters.preempted,
+            num_loaded_tokens=counters.loaded,
+            external_queries=counters.external_queries,
+            kv_saves=tuple(saves),
+            lora_ids=frozenset(lora_ids),
         )
 
     def _schedule(self, counters: _StepCounters) -> list[tuple[_Request, int]]:
@@ -358,12 +406,15 @@ class Scheduler:
             max_hit_blocks = (request.length - 1) // block_size
             self._ensure_hashes(request, max_hit_blocks)
             hit_ids = pool.match_prefix(request.block_hashes[:max_hit_blocks])
-            num_hit = len(hit_ids) * block_size
+            num_loaded_blocks = self._external_hit(request, len(hit_ids))
+            num_hit = (len(hit_ids) + num_loaded_blocks) * block_size
             pending = request.length - num_hit
             free = pool.num_free_blocks - pool.num_unreferenced(hit_ids)
             if self._chunked is None:
+                # Loaded blocks need fresh blocks as computed ones do: they count as held at
+                # `base`, so they come off the free ones.
                 num_tokens = self._fit_chunk(
-                    request, min(pending, budget), pending, free, base=num_hit
+                    request, min(pending, budget), pending, free - num_loaded_blocks, base=num_hit
                 )
             elif pending <= budget and self._blocks_for(request.length) - len(hit_ids) <= free:
                 num_tokens = pending
@@ -379,10 +430,14 @@ class Scheduler:
             request.num_computed = num_hit
             request.num_stored_blocks = len(hit_ids)
             if request.num_cached_tokens is None:
+                # Local and loaded alike, as vLLM's usage counts num_computed_tokens at admission.
                 request.num_cached_tokens = num_hit
                 counters.admitted.append((request.spec.request_id, num_hit))
             counters.queries += request.length
-            counters.hits += num_hit
+            counters.hits += len(hit_ids) * block_size
+            if self.kv_lookup is not None:
+                counters.external_queries += request.length
+                counters.loaded += num_loaded_blocks * block_size
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             if num_tokens < pending:
@@ -390,6 +445,32 @@ class Scheduler:
             scheduled.append((request, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def _external_hit(self, request: _Request, num_local_blocks: int) -> int:
+        """Prompt blocks past the local hit that the KV connector holds (0 without one)."""
+        if self.kv_lookup is None:
+            return 0
+        start, end = lookup_span(
+            num_local_blocks,
+            len(request.spec.prompt_token_ids),
+            request.length,
+            self.config.block_size,
+        )
+        if start >= end:
+            return 0
+        self._ensure_hashes(request, end)
+        found = self.kv_lookup(request.block_hashes[start:end])
+        return max(0, min(found, end - start))
+
+    def _kv_save_of(self, request: _Request) -> KvSave:
+        size = self.config.block_size
+        count = prompt_blocks_to_store(len(request.spec.prompt_token_ids), size)
+        self._ensure_hashes(request, count)
+        return KvSave(
+            block_hashes=tuple(request.block_hashes[:count]),
+            token_ids=request.spec.prompt_token_ids[: count * size],
+            block_size=size,
+        )
 
     def _fit_chunk(
         self,
@@ -482,4 +563,6 @@ class _StepCounters:
     hits: int = 0
     paused: int = 0
     preempted: int = 0
+    loaded: int = 0
+    external_queries: int = 0
     admitted: list[tuple[str, int]] = field(default_factory=list)

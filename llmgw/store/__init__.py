@@ -5,6 +5,9 @@ control plane, one module per subject.
     dedicated, notify              dedicated connections; the process's one LISTEN connection
     catalog                        models, profiles, deployments, the audit log; the one
                                    get-by-name of every named table (one_by_name)
+    adapters                       declared adapters (`kind: adapter`)
+    runtime_adapters               their placement: shards' desired adapters, adapter_status,
+                                   the status the admin API reads back
     namespace                      the names clients send as `model`, read under one lock
     fleet                          the admin's nodes, replicas, action record, GPU classes
     bootstrap_tokens               bootstrap tokens: created, listed, revoked, consumed

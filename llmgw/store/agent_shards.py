@@ -4,8 +4,8 @@ placed-shard map the KV intake reads.
 
 Functions take a session, flush, and never commit: the caller owns the transaction.
 
-Of ``shards`` only the binding columns are written here, and ``released`` by the one rule an
-agent's report decides: a shard desired ``stopped`` whose engine the agent reports gone is
+Of ``shards`` only the binding columns are written here (``observed_adapters`` among them,
+only where it changed), and ``released`` by the one rule an agent's report decides: a shard desired ``stopped`` whose engine the agent reports gone is
 released (``release_stopped_shards``). The desired half (placement, ``desired_state``) is the
 reconciler's.
 
@@ -33,6 +33,7 @@ __all__ = [
     "DesiredShardRow",
     "PlacedRow",
     "apply_bindings",
+    "apply_observed_adapters",
     "kv_capacity_blocks",
     "read_desired_shards",
     "read_live_shard_ids",
@@ -107,6 +108,44 @@ async def apply_bindings(
     return {uuid.UUID(str(r)) for r in result.scalars()}
 
 
+async def apply_observed_adapters(
+    session: AsyncSession,
+    node_id: uuid.UUID,
+    bindings: Iterable[tuple[uuid.UUID, ShardBinding]],
+) -> set[uuid.UUID]:
+    """Store the runtime adapters the agent reports on the node's OWN shards where they differ
+    from what is stored; returns the shards whose value changed.
+
+    ``IS DISTINCT FROM``: a row is rewritten only when its adapters changed (the route table
+    re-reads on a change of this column: an adapter loaded or gone is a route added or gone),
+    never on every report. Entries are stored in name order, so one set reported in another
+    order is no change. Run after ``apply_bindings`` in the same transaction (whose statement
+    has already woken the route caches for this sync: a NOTIFY is delivered once per
+    transaction and channel).
+    """
+    rows = [
+        {
+            "id": str(sid),
+            "adapters": [
+                a.model_dump(mode="json") for a in sorted(b.adapters, key=lambda a: a.name)
+            ],
+        }
+        for sid, b in sorted(bindings, key=lambda p: p[0])
+    ]
+    if not rows:
+        return set()
+    result = await session.execute(
+        text(
+            "UPDATE shards AS s SET observed_adapters = v.adapters "
+            "FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS v(id uuid, adapters jsonb) "
+            "WHERE s.id = v.id AND s.node_id = :node "
+            "AND s.observed_adapters IS DISTINCT FROM v.adapters RETURNING s.id"
+        ),
+        {"rows": jsonb_rows(rows), "node": node_id},
+    )
+    return {uuid.UUID(str(r)) for r in result.scalars()}
+
+
 # A node's shard desired stopped whose engine its agent no longer reports running.
 _STOPPED_AND_GONE = (
     "node_id = :node AND NOT released AND desired_state = 'stopped' "
@@ -158,6 +197,9 @@ class DesiredShardRow:
     # The shard's devices in order (gpu_assignments by position).
     gpu_indices: tuple[int, ...]
     mig_uuids: tuple[str | None, ...]
+    # The runtime adapters the leader placed on its engine, as stored ([{"name", "path",
+    # "pinned"}]); rank 0 only, empty for the other ranks.
+    adapters: tuple[dict[str, Any], ...] = ()
 
 
 async def read_desired_shards(session: AsyncSession, node_id: uuid.UUID) -> list[DesiredShardRow]:
@@ -172,7 +214,8 @@ async def read_desired_shards(session: AsyncSession, node_id: uuid.UUID) -> list
             "SELECT s.id, s.replica_id, s.rank, s.desired_state, s.profile_fingerprint, "
             "s.launch_spec, s.engine_api_key, s.hcas, s.leader_port, "
             "coalesce(m.name, s.launch_spec #>> '{profile,model}', '') AS model, "
-            "coalesce(g.indices, '{}') AS indices, coalesce(g.migs, '{}') AS migs "
+            "coalesce(g.indices, '{}') AS indices, coalesce(g.migs, '{}') AS migs, "
+            "CASE WHEN s.rank = 0 THEN s.desired_adapters END AS adapters "
             "FROM shards s JOIN replicas r ON r.id = s.replica_id "
             "LEFT JOIN deployments d ON d.id = r.deployment_id "
             "LEFT JOIN models m ON m.id = d.model_id "
@@ -197,6 +240,7 @@ async def read_desired_shards(session: AsyncSession, node_id: uuid.UUID) -> list
             model=r.model,
             gpu_indices=tuple(int(i) for i in r.indices),
             mig_uuids=tuple(r.migs),
+            adapters=tuple(a for a in r.adapters or () if isinstance(a, dict)),
         )
         for r in result
     ]

@@ -1,8 +1,8 @@
 """The catalog's SQL: models, profiles and deployments (a deployment's rollout status read
-with it), the admin audit log, and the cluster's KV hash seed; and the names of the NOTIFY
-channels that wake the reconciler (``CHANGE_CHANNEL``, sent by ``record_audit``) and the
-gateways' route caches (``ROUTES_CHANNEL``, sent by database triggers). The generic row
-writes ``admin/common.py`` makes for every route, fleet rows' included, are here too:
+with it; declared adapters are ``adapters.py``'s), the admin audit log, and the cluster's KV
+hash seed; and the names of the NOTIFY channels that wake the reconciler (``CHANGE_CHANNEL``,
+sent by ``record_audit``) and the gateways' route caches (``ROUTES_CHANNEL``, sent by
+database triggers). The generic row writes ``admin/common.py`` makes for every route, fleet rows' included, are here too:
 ``insert_row``, ``apply_changes`` (the version check) and ``save_row``.
 
 Functions take a session, flush, never commit. The caller owns the transaction (``async
@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from llmgw.errors import ConflictError, NotFoundError, clip
 from llmgw.store.tables import (
+    Adapter,
     ApiKey,
     AuditLog,
     ClusterInfo,
@@ -44,6 +45,7 @@ __all__ = [
     "bump_generation",
     "bump_generations_of_profile",
     "cluster_kv_hash_seed",
+    "cluster_response_id_secret",
     "delete_deployment",
     "delete_model",
     "delete_profile",
@@ -72,11 +74,12 @@ __all__ = [
 # source of truth: the periodic tick is what guarantees progress.
 CHANGE_CHANNEL = "llmgw_desired_changed"
 # Sent by database triggers (migration 0005) on every write that can change a route: a
-# shard's observed or desired state, proxy URL, key or release; a replica's state.
+# shard's observed or desired state, proxy URL, key or release; a replica's state; a declared
+# adapter (migration 0012).
 ROUTES_CHANNEL = "llmgw_routes_changed"
 
-_Row = TypeVar("_Row", Model, Profile, Deployment, Node, GpuClass)
-_Named = TypeVar("_Named", Model, Profile, Deployment, GpuClass, ApiKey)
+_Row = TypeVar("_Row", Model, Profile, Adapter, Deployment, Node, GpuClass)
+_Named = TypeVar("_Named", Model, Profile, Adapter, Deployment, GpuClass, ApiKey)
 
 
 async def one_by_name(
@@ -296,6 +299,12 @@ async def cluster_kv_hash_seed(session: AsyncSession) -> str:
     return str(seed)
 
 
+async def cluster_response_id_secret(session: AsyncSession) -> bytes:
+    """The secret every gateway of the cluster signs Responses ids with."""
+    secret = (await session.execute(select(ClusterInfo.response_id_secret))).scalar_one()
+    return bytes(secret)
+
+
 def apply_changes(row: _Row, changes: Mapping[str, Any], *, version: int | None, kind: str) -> bool:
     """Apply ``changes`` to a row locked FOR UPDATE; return whether anything changed.
 
@@ -356,6 +365,14 @@ async def delete_model(session: AsyncSession, name: str) -> Model:
         f"model {name!r}",
         "profile(s)",
         "delete or move those first",
+    )
+    # The adapters' foreign key refuses it too (RESTRICT); this names them.
+    await _refuse_if_referenced(
+        session,
+        select(Adapter.name).where(Adapter.model == model.name).order_by(Adapter.name),
+        f"model {name!r}",
+        "adapter(s)",
+        "delete those first (DELETE /admin/v1/adapters/NAME)",
     )
     await session.delete(model)
     await session.flush()

@@ -2,6 +2,11 @@
 written in one statement every few seconds (``gateway.demand.DemandReporter``), read summed
 per model by the admin API (``llmgw status``) and by the leader's autoscaler.
 
+A row's ``model`` is the name clients send: a model's, or a LoRA adapter's (issue [lora]). An
+adapter's row counts its own requests, and its base model's row counts them too (the base's
+autoscaler sees all the load its replicas run), so a reader must never add an adapter's row
+into its base's.
+
 What this module must NOT do: commit (callers own the transaction), or trust a row older
 than the freshness bound a reader gives (its gateway may be gone).
 """
@@ -48,6 +53,9 @@ class DemandRow:
     # What the model's engines reported waiting in their own queues at the last scrape.
     engine_waiting: int = 0
     hit_rate: float | None = None
+    # Requests received for the name per second lately (a moving average over about a minute):
+    # what the leader sizes an adapter's holders by.
+    requests_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,8 @@ class ModelDemand:
     # The largest over gateways: every gateway scrapes the same engines.
     engine_waiting: int = 0
     hit_rate: float | None = None  # the mean over the gateways that routed anything
+    # Summed: each gateway counts the requests it received.
+    requests_per_s: float = 0.0
 
 
 # One statement for every model of the instance: jsonb_to_recordset unpacks the batch, so
@@ -75,14 +85,14 @@ _WRITE = text(
     "AND updated_at < now() - make_interval(secs => :stale_s)) "
     "INSERT INTO gateway_demand "
     "(instance_id, model, queued, in_flight, shed, saturated_since, queued_prefill_tokens, "
-    "uncached_prefill_tokens, held, engine_waiting, hit_rate, updated_at) "
+    "uncached_prefill_tokens, held, engine_waiting, hit_rate, requests_per_s, updated_at) "
     "SELECT :instance, r.model, r.queued, r.in_flight, r.shed, "
     "CASE WHEN r.saturated_s IS NULL THEN NULL "
     "ELSE now() - make_interval(secs => r.saturated_s) END, r.queued_prefill_tokens, "
-    "r.uncached_prefill_tokens, r.held, r.engine_waiting, r.hit_rate, now() "
+    "r.uncached_prefill_tokens, r.held, r.engine_waiting, r.hit_rate, r.requests_per_s, now() "
     "FROM jsonb_to_recordset(:rows) AS r(model text, queued int, in_flight int, shed bigint, "
     "saturated_s float8, queued_prefill_tokens bigint, uncached_prefill_tokens bigint, "
-    "held int, engine_waiting int, hit_rate float8) "
+    "held int, engine_waiting int, hit_rate float8, requests_per_s float8) "
     "ON CONFLICT (instance_id, model) DO UPDATE SET queued = excluded.queued, "
     "in_flight = excluded.in_flight, shed = excluded.shed, "
     "saturated_since = CASE WHEN excluded.saturated_since IS NULL THEN NULL "
@@ -90,7 +100,7 @@ _WRITE = text(
     "queued_prefill_tokens = excluded.queued_prefill_tokens, "
     "uncached_prefill_tokens = excluded.uncached_prefill_tokens, held = excluded.held, "
     "engine_waiting = excluded.engine_waiting, hit_rate = excluded.hit_rate, "
-    "updated_at = excluded.updated_at"
+    "requests_per_s = excluded.requests_per_s, updated_at = excluded.updated_at"
 ).bindparams(bindparam("rows", type_=JSONB))
 
 _READ = text(
@@ -99,7 +109,7 @@ _READ = text(
     "count(*) AS gateways, sum(queued_prefill_tokens)::bigint AS queued_prefill_tokens, "
     "sum(uncached_prefill_tokens)::bigint AS uncached_prefill_tokens, "
     "sum(held)::bigint AS held, max(engine_waiting) AS engine_waiting, "
-    "avg(hit_rate) AS hit_rate FROM gateway_demand "
+    "avg(hit_rate) AS hit_rate, sum(requests_per_s) AS requests_per_s FROM gateway_demand "
     "WHERE updated_at > now() - make_interval(secs => :fresh_s) GROUP BY model ORDER BY model"
 )
 
@@ -125,6 +135,8 @@ async def write_demand(
             "held": r.held,
             "engine_waiting": r.engine_waiting,
             "hit_rate": r.hit_rate,
+            # The column's CHECK (>= 0); NaN is no rate (json would not even carry it).
+            "requests_per_s": r.requests_per_s if r.requests_per_s > 0 else 0.0,
         }
         for r in sorted(rows, key=lambda r: r.model)  # one lock order for every writer
     ]
@@ -146,6 +158,7 @@ async def read_demand(session: AsyncSession, *, fresh_s: float) -> list[ModelDem
             held=int(r.held),
             engine_waiting=int(r.engine_waiting),
             hit_rate=None if r.hit_rate is None else float(r.hit_rate),
+            requests_per_s=float(r.requests_per_s or 0.0),
         )
         for r in result
     ]

@@ -1,6 +1,6 @@
-"""The names clients send as `model`, as stored: model names, and each profile's served
-name and adapter names (docs/architecture.md §3: LoRA adapters share the models'
-namespace). Read under one transaction-scoped lock, so two admin writes that would each
+"""The names clients send as `model`, as stored: model names, each profile's served name and
+static adapter names, and declared adapters (``kind: adapter``) with their base models
+(docs/architecture.md §3: LoRA adapters share the models' namespace). Read under one transaction-scoped lock, so two admin writes that would each
 take the same name cannot both pass their check (the gateway would keep one and silently
 drop the other).
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
-__all__ = ["NamedProfile", "lock_namespace", "read_namespace"]
+__all__ = ["NamedProfile", "StoredNames", "lock_namespace", "read_namespace"]
 
 # pg_advisory_xact_lock's key for "a write that adds a name to the namespace": any constant
 # no other lock of llmgw uses ("LLMGWNS\0" as an integer).
@@ -42,9 +42,23 @@ _READ_PROFILES = text(
 )
 
 
-async def read_namespace(session: AsyncSession) -> tuple[set[str], list[NamedProfile]]:
-    """Every model's name, and every profile's served name and adapters."""
+@dataclass(frozen=True, slots=True)
+class StoredNames:
+    """Every name of the namespace as stored."""
+
+    models: set[str]
+    profiles: list[NamedProfile]
+    adapters: dict[str, str]  # declared adapter -> its base model
+
+
+async def read_namespace(session: AsyncSession) -> StoredNames:
+    """Every model's name, every profile's served name and static adapters, and every
+    declared adapter with its base model."""
     models = {str(n) for n in (await session.execute(text("SELECT name FROM models"))).scalars()}
+    declared = {
+        str(r.name): str(r.model)
+        for r in await session.execute(text("SELECT name, model FROM adapters"))
+    }
     profiles = []
     for r in await session.execute(_READ_PROFILES):
         raw = r.adapters if isinstance(r.adapters, list) else []
@@ -52,4 +66,4 @@ async def read_namespace(session: AsyncSession) -> tuple[set[str], list[NamedPro
             str(a["name"]) for a in raw if isinstance(a, dict) and isinstance(a.get("name"), str)
         )
         profiles.append(NamedProfile(str(r.profile), str(r.model), str(r.served), adapters))
-    return models, profiles
+    return StoredNames(models, profiles, declared)

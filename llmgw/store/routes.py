@@ -1,17 +1,18 @@
-"""The SQL of the gateway's route table: the two statements ``RouteCache`` reads it with,
+"""The SQL of the gateway's route table: the three statements ``RouteCache`` reads it with,
 and the rows they return.
 
-One statement reads every live rank-0 shard with its replica's state and its launch spec's
-profile (whose engine names the metrics its load is read from, ``llmgw.engines``), the other
-every deployment's names; ``gateway.routes.build_table`` turns the rows
-into the table. Both take a session and write nothing.
+One statement reads every live rank-0 shard with its replica's state, its launch spec's
+profile (whose engine names the metrics its load is read from, ``llmgw.engines``) and its
+runtime adapters (the leader's placement and what its agent reports, issue [lora]); one every
+deployment's names; one every declared adapter (``kind: adapter``). ``gateway.routes.build_table``
+turns the rows into the table. All take a session and write nothing.
 
 What this module must NOT do: put an engine key (``RouteRow.api_key``) in a repr or a log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +25,46 @@ from llmgw.engines import (
     Profile,
     default_max_in_flight,
     engine_load_metrics,
+    reference_engine,
 )
 from llmgw.errors import LlmgwError
 
-__all__ = ["DeclaredRow", "RouteRow", "read_declared", "read_routes"]
+__all__ = [
+    "AdapterRow",
+    "DeclaredRow",
+    "ObservedAdapter",
+    "RouteRow",
+    "read_adapters",
+    "read_declared",
+    "read_routes",
+]
+
+# The agents' reports are bounded by the protocol (MAX_RUNTIME_ADAPTERS per shard, reasons of
+# MAX_REASON_CHARS); a row of another release is read defensively, never trusted for more.
+_REASON_CHARS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedAdapter:
+    """One runtime adapter on a shard's engine as its agent last reported it
+    (``shards.observed_adapters``, ``protocol.AdapterObserved``)."""
+
+    name: str
+    # protocol.AdapterState: loading, loaded, failed, unloading. Only "loaded" routes requests;
+    # a state this release does not know reads as not loaded.
+    state: str
+    reason: str = ""  # the engine's (or the node policy's) answer to the last failed load
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRow:
+    """A declared adapter (``kind: adapter``, the ``adapters`` table): what clients send as
+    ``model``, the base model's name (``models.name``, not a served name) and where nodes
+    load it from."""
+
+    name: str
+    model: str
+    path: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +86,18 @@ class RouteRow:
     # Where the launched profile's engine reports its load on /metrics (``Engine.load_metrics``):
     # the gateways scrape it without knowing any engine's names.
     load_metrics: LoadMetrics = ANY_ENGINE_LOAD_METRICS
+    # The API families the replica serves (``llmgw.engines.API_GROUPS``): the live profile it
+    # was launched from lists them (an edit takes effect without a roll), else the value its
+    # launch spec carries, else its engine's default for the launched process
+    # (``Engine.served_apis``). Empty: nothing known (an unreadable launch spec).
+    apis: frozenset[str] = frozenset()
+    # Runtime adapters (issue [lora]): the names the leader placed on the shard's engine
+    # (``shards.desired_adapters``), and the engine's adapters as its agent reports them.
+    desired_adapters: frozenset[str] = frozenset()
+    observed_adapters: tuple[ObservedAdapter, ...] = ()
+    # The runtime adapters its engine may hold (the launched or the live profile's
+    # adapter_slots, the larger): 0, the leader places none on it.
+    adapter_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +118,15 @@ class DeclaredRow:
     # held request is answered with.
     status_reason: str = ""
     crash_reason: str | None = None
+    # The API families the deployment's profile serves: its own list, else its engine's default
+    # for it. Empty: nothing known.
+    apis: frozenset[str] = frozenset()
+    # The deployment's model (``models.name``), what a declared adapter names as its base;
+    # "": the served name is the model's.
+    model: str = ""
+    # The deployment's profile's adapter_slots: above 0, the leader may place runtime adapters
+    # on its replicas (at zero replicas too: a wake, then a load).
+    adapter_slots: int = 0
 
 
 _READ = text(
@@ -80,7 +138,10 @@ _READ = text(
     "concat_ws(':', s.boot_id, s.pid, s.process_start_time) AS incarnation, "
     "coalesce(p.max_in_flight, 0) AS max_in_flight, "
     "coalesce(lp.tokenizer, s.launch_spec #>> '{profile,tokenizer}', '') = 'none' "
-    "AS tokenizer_none "
+    "AS tokenizer_none, "
+    # NULL where the launching profile is gone: the launch spec's value counts then.
+    "lp.apis AS live_apis, "
+    "s.desired_adapters, s.observed_adapters, lp.adapter_slots AS live_adapter_slots "
     "FROM shards s JOIN replicas r ON r.id = s.replica_id "
     "LEFT JOIN deployments d ON d.id = r.deployment_id "
     "LEFT JOIN models m ON m.id = d.model_id "
@@ -93,9 +154,11 @@ _READ = text(
 
 
 _DECLARED = text(
-    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, p.adapters, "
+    "SELECT coalesce(nullif(p.served_model_name, ''), m.name) AS name, m.name AS model, "
+    "p.adapters, p.adapter_slots, "
     "(d.autoscale IS NOT NULL AND d.state = 'active') "
     "AS autoscaled, p.tokenizer = 'none' AS tokenizer_none, "
+    "p.engine, p.args, p.apis, "
     "coalesce(ds.reason, '') AS status_reason, "
     # A crash loop the agent reported on a replica still active or being replaced (a shard
     # is released once its agent reports it gone): the newest one's reason.
@@ -107,6 +170,8 @@ _DECLARED = text(
     "JOIN profiles p ON p.id = d.profile_id "
     "LEFT JOIN deployment_status ds ON ds.deployment_id = d.id"
 )
+
+_ADAPTERS = text("SELECT name, model, path FROM adapters ORDER BY name")
 
 
 async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
@@ -128,29 +193,67 @@ async def read_declared(session: AsyncSession) -> list[DeclaredRow]:
                 bool(r.tokenizer_none),
                 status_reason=r.status_reason or "",
                 crash_reason=r.crash_reason,
+                apis=_declared_apis(r.engine, r.args, r.apis),
+                model=str(r.model),
+                adapter_slots=int(r.adapter_slots or 0),
             )
         )
     return out
 
 
+async def read_adapters(session: AsyncSession) -> list[AdapterRow]:
+    """Every declared adapter, in one statement."""
+    result = await session.execute(_ADAPTERS)
+    return [AdapterRow(str(r.name), str(r.model), str(r.path)) for r in result]
+
+
 async def read_routes(session: AsyncSession) -> list[RouteRow]:
     """Every live rank-0 shard with what routing needs, in one statement."""
     result = await session.execute(_READ)
-    return [
-        RouteRow(
-            shard=r.shard,
-            replica=r.replica,
-            proxy_url=r.proxy_url or "",
-            api_key=r.engine_api_key or "",
-            ready=bool(r.ready),
-            index_model=r.index_model or "",
-            profile=r.profile if isinstance(r.profile, dict) else {},
-            incarnation=r.incarnation or "",
-            max_in_flight=r.max_in_flight or _default_ceiling(r.profile),
-            tokenizer_none=bool(r.tokenizer_none),
-            load_metrics=_load_metrics(r.profile),
+    out = []
+    for r in result:
+        launched = _launched(r.profile)
+        out.append(
+            RouteRow(
+                shard=r.shard,
+                replica=r.replica,
+                proxy_url=r.proxy_url or "",
+                api_key=r.engine_api_key or "",
+                ready=bool(r.ready),
+                index_model=r.index_model or "",
+                profile=r.profile if isinstance(r.profile, dict) else {},
+                incarnation=r.incarnation or "",
+                max_in_flight=r.max_in_flight or _default_ceiling(launched),
+                tokenizer_none=bool(r.tokenizer_none),
+                load_metrics=_load_metrics(r.profile),
+                apis=_launched_apis(launched, r.live_apis),
+                desired_adapters=frozenset(_desired_names(r.desired_adapters)),
+                observed_adapters=tuple(_observed(r.observed_adapters)),
+                adapter_slots=max(
+                    r.live_adapter_slots or 0, launched.adapter_slots if launched else 0
+                ),
+            )
         )
-        for r in result
+    return out
+
+
+def _desired_names(raw: object) -> list[str]:
+    """The names in ``shards.desired_adapters`` ([{"name", "path", "pinned"}])."""
+    if not isinstance(raw, list):
+        return []
+    return [str(a["name"]) for a in raw if isinstance(a, dict) and a.get("name")]
+
+
+def _observed(raw: object) -> list[ObservedAdapter]:
+    """``shards.observed_adapters`` ([{"name", "state", "reason", "failures"}]) as read."""
+    if not isinstance(raw, list):
+        return []
+    return [
+        ObservedAdapter(
+            str(a["name"]), str(a.get("state") or ""), str(a.get("reason") or "")[:_REASON_CHARS]
+        )
+        for a in raw
+        if isinstance(a, dict) and a.get("name")
     ]
 
 
@@ -160,11 +263,58 @@ def _load_metrics(profile: object) -> LoadMetrics:
     return engine_load_metrics(engine) if isinstance(engine, str) else ANY_ENGINE_LOAD_METRICS
 
 
-def _default_ceiling(profile: object) -> int:
+def _launched(profile: object) -> Profile | None:
+    """The launch spec's profile as the engines package reads it; None where it cannot (a
+    launch spec of another release)."""
+    try:
+        return Profile.model_validate(profile if isinstance(profile, dict) else {})
+    except ValueError:  # pydantic's ValidationError is one
+        return None
+
+
+def _default_ceiling(launched: Profile | None) -> int:
     """The engine's default ceiling for a launched profile; a profile the engines package
     cannot read (a launch spec of an older release) gets the unknown engine's."""
-    doc = profile if isinstance(profile, dict) else {}
     try:
-        return default_max_in_flight(Profile.model_validate(doc))
+        return default_max_in_flight(launched or Profile(name="unknown", engine="unknown"))
     except (ValueError, LlmgwError):
         return default_max_in_flight(Profile(name="unknown", engine="unknown"))
+
+
+def _engine_apis(profile: Profile) -> frozenset[str]:
+    """``profile``'s API families as its engine says (its own list, else the engine's
+    default); an engine this release does not know: the list alone (empty: nothing known)."""
+    try:
+        return reference_engine(profile.engine).served_apis(profile)
+    except LlmgwError:
+        return frozenset(profile.apis)
+
+
+def _launched_apis(launched: Profile | None, live: Sequence[str] | None) -> frozenset[str]:
+    """A replica's API families: those of the live profile it was launched from where that
+    lists any; else its engine's default for the process it runs (the launch spec's engine and
+    args: an edit of them rolls the replica, so the launched ones are what serves), the
+    launch spec's own list counting only where the profile is gone (``live`` None)."""
+    if live:
+        return frozenset(live)
+    if launched is None:
+        return frozenset()
+    if live is not None:  # the live profile lists none: the engine's default, not the old list
+        launched = launched.model_copy(update={"apis": ()})
+    return _engine_apis(launched)
+
+
+def _declared_apis(engine: object, args: object, apis: Sequence[str] | None) -> frozenset[str]:
+    """A deployment's profile's API families: its list, else its engine's default. Only the
+    engine and its args decide a default (``Engine.default_apis``), so only they are read."""
+    if apis:
+        return frozenset(apis)
+    try:
+        profile = Profile(
+            name="declared",
+            engine=str(engine),
+            args=tuple(str(a) for a in args) if isinstance(args, list) else (),
+        )
+    except ValueError:
+        return frozenset()
+    return _engine_apis(profile)

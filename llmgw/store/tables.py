@@ -1,6 +1,6 @@
 """The state store's schema: SQLAlchemy 2 typed tables for docs/architecture.md §3.
 
-Desired state (models, profiles, deployments, api_keys) is written by operators
+Desired state (models, profiles, adapters, deployments, api_keys) is written by operators
 through the admin API; observed state (nodes, the binding half of shards) by
 agents through the agent API. The rules that keep the fleet safe are enforced
 here, in the database, and not only in Python: two control planes, an admin
@@ -40,11 +40,16 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID, ExcludeConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column, relationship
 
+# The API families a profile may list, which the profiles' CHECK holds too.
+from llmgw.engines.spec import API_GROUPS
+
 # The one name rule (llmgw.protocol.names), which the CHECK constraints below hold too.
 from llmgw.protocol.names import KEY_NAME_PATTERN as KEY_NAME_PATTERN
 from llmgw.protocol.names import NAME_PATTERN as NAME_PATTERN
 
 __all__ = [
+    "Adapter",
+    "AdapterStatus",
     "ApiKey",
     "AuditLog",
     "Base",
@@ -100,6 +105,11 @@ QUOTA_PERIODS = ("day", "month")
 
 # PYTHONHASHSEED accepts only integers up to 2**32-1; canonical decimal, never 0.
 _RANDOM_HASH_SEED_SQL = "(floor(random() * 4294967295) + 1)::bigint::text"
+# 32 bytes from two v4 UUIDs: gen_random_uuid() is Postgres's strong random source (244 bits).
+_RANDOM_SECRET_SQL = (
+    "decode(replace(gen_random_uuid()::text, '-', '') || "
+    "replace(gen_random_uuid()::text, '-', ''), 'hex')"
+)
 _VALID_HASH_SEED_SQL = (
     "CASE WHEN kv_hash_seed ~ '^[1-9][0-9]{0,9}$' "
     "THEN kv_hash_seed::bigint <= 4294967295 ELSE false END"
@@ -107,6 +117,18 @@ _VALID_HASH_SEED_SQL = (
 
 # A profile's tokenizer: empty, the keyword, or an absolute path (the API checks the rest).
 _TOKENIZER_SQL = "tokenizer = '' OR tokenizer = 'none' OR left(tokenizer, 1) = '/'"
+
+# A profile's API families (llmgw.engines.apis_problem): values from the known set, each once,
+# a flat list. A NULL array or element fails every comparison, and a CHECK lets NULL through,
+# so each clause must come out true or false, never NULL. Two known values, so "each once" is
+# one comparison (a CHECK may hold no subquery to count distinct values with); a third family
+# needs a migration anyway, and this clause rewritten with it.
+_APIS_SQL = (
+    "coalesce(array_ndims(apis), 1) = 1 "
+    f"AND apis <@ ARRAY[{', '.join(repr(g) for g in API_GROUPS)}]::text[] "
+    "AND array_position(apis, NULL) IS NULL "
+    "AND (cardinality(apis) < 2 OR (cardinality(apis) = 2 AND apis[1] <> apis[2]))"
+)
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -153,13 +175,21 @@ class ClusterInfo(Base):
     restored backup, a foreign cluster), so a wrong URL cannot stop their engines."""
 
     __tablename__ = "cluster_info"
-    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+    __table_args__ = (
+        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint("length(response_id_secret) = 32", name="response_id_secret_length"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     cluster_id: Mapped[uuid.UUID] = mapped_column(server_default=text("gen_random_uuid()"))
     # Default PYTHONHASHSEED of new profiles: random per cluster, an integer in 1..2**32-1
     # (what Python accepts; "0" would also turn off string-hash randomization in engines).
     kv_hash_seed: Mapped[str] = mapped_column(Text, server_default=text(_RANDOM_HASH_SEED_SQL))
+    # What every gateway signs Responses ids with (gateway/apis/response_ids.py): random per
+    # cluster, never sent anywhere, read by the gateways at start.
+    response_id_secret: Mapped[bytes] = mapped_column(
+        LargeBinary, server_default=text(_RANDOM_SECRET_SQL)
+    )
     created_at: Mapped[datetime] = _created()
 
 
@@ -200,6 +230,8 @@ class Profile(_Versioned, Base):
             _in("multinode_backend", MULTINODE_BACKENDS), name="multinode_backend_known"
         ),
         CheckConstraint(_TOKENIZER_SQL, name="tokenizer_valid"),
+        CheckConstraint(_APIS_SQL, name="apis_known"),
+        CheckConstraint("adapter_slots >= 0 AND adapter_slots <= 1024", name="adapter_slots_range"),
         # What deployments' composite foreign key points at: a deployment's profile must be
         # one of its own model's profiles, whoever writes the row.
         UniqueConstraint("id", "model_id"),
@@ -240,9 +272,79 @@ class Profile(_Versioned, Base):
     # the nodes (llmgw.engines.tokenizer_problem). Read live by the route table, carried in
     # the launch specs of shards placed after an edit, never in the fingerprint.
     tokenizer: Mapped[str] = mapped_column(Text, server_default="")
+    # The API families the model serves (llmgw.engines.API_GROUPS); empty: the engine's
+    # default for the profile (Engine.served_apis). Read live by the route table, carried in
+    # the launch specs of shards placed after an edit, never in the fingerprint.
+    apis: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default="{}")
+    # Runtime LoRA adapters each replica's engine holds at once (llmgw.engines.Profile):
+    # 0, none. In the fingerprint through the flags it adds to the engine's command.
+    adapter_slots: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     fingerprint: Mapped[str] = mapped_column(Text)
 
     model: Mapped[Model] = relationship(back_populates="profiles")
+
+
+class Adapter(_Versioned, Base):
+    """A LoRA adapter declared on its own (``kind: adapter``; issue [lora] "Adapters at
+    runtime"): its name (what clients send as `model`, in the models' namespace), its base
+    model, where nodes find it and how many replicas should hold it. The leader places it on
+    replicas of profiles with ``adapter_slots`` (``Shard.desired_adapters``; its status in
+    ``adapter_status``) and their agents load it at runtime. A profile's static ``adapters``
+    are another thing and stay as they are.
+
+    Keyed by name like ``gpu_classes``; ``model`` refers to the model by its name, which no
+    route renames, so the row reads as the document it came from. RESTRICT: a model with
+    adapters cannot be deleted (the admin API names them first)."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        CheckConstraint(f"name ~ '{NAME_PATTERN}'", name="name_format"),
+        CheckConstraint("path <> ''", name="path_set"),
+        CheckConstraint(
+            "min_replicas IS NULL OR min_replicas >= 0", name="min_replicas_nonnegative"
+        ),
+        CheckConstraint("max_replicas IS NULL OR max_replicas >= 1", name="max_replicas_positive"),
+        # NULL on either side is "the default", which any bound of the other side allows.
+        CheckConstraint(
+            "min_replicas IS NULL OR max_replicas IS NULL OR max_replicas >= min_replicas",
+            name="replicas_ordered",
+        ),
+    )
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    model: Mapped[str] = mapped_column(ForeignKey("models.name", ondelete="RESTRICT"), index=True)
+    # A directory on the nodes, or an http(s) source the agent downloads (as a profile's
+    # adapters take it: agent.policy.allowed_adapter_sources decides on each node).
+    path: Mapped[str] = mapped_column(Text)
+    # Replicas of the base model that should hold it loaded; NULL: the default
+    # (planner.adapter_placement: by demand, one from its first request; every replica).
+    min_replicas: Mapped[int | None] = mapped_column(Integer)
+    max_replicas: Mapped[int | None] = mapped_column(Integer)
+    # Kept loaded on its replicas, never evicted for another adapter.
+    pinned: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    description: Mapped[str] = mapped_column(Text, server_default="")
+
+
+class AdapterStatus(Base):
+    """What the leader's placement decided for a declared adapter, written by the reconciler
+    alone (kept off the adapter's row, as deployment_status is, so a status write never bumps
+    the version an admin's update names). Which replicas hold it is the shards' to say
+    (``Shard.desired_adapters``/``observed_adapters``); this is what they cannot: the count
+    wanted and why it is not met."""
+
+    __tablename__ = "adapter_status"
+    __table_args__ = (
+        CheckConstraint("desired_replicas >= 0", name="desired_replicas_nonnegative"),
+    )
+
+    adapter: Mapped[str] = mapped_column(
+        ForeignKey("adapters.name", ondelete="CASCADE"), primary_key=True
+    )
+    # Replicas that should hold it: the placement's count after min/max_replicas.
+    desired_replicas: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    # Why it has fewer holders than desired, or none at all; "" when it has them.
+    unplaced: Mapped[str] = mapped_column(Text, server_default="")
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class Deployment(_Versioned, Base):
@@ -503,6 +605,10 @@ class Shard(Base):
     engine_api_key: Mapped[str] = mapped_column(Text, server_default="")
     # Set once the agent reports the engine gone after a stop: frees GPUs and ports.
     released: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # The runtime adapters the leader placed on this shard's engine (rank 0 of a profile with
+    # adapter_slots): [{"name", "path", "pinned"}], protocol.RuntimeAdapter. Sent beside the
+    # launch spec, never part of it: a change loads or unloads, never restarts.
+    desired_adapters: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))
     # --- binding (agent) ---
     http_port: Mapped[int | None] = mapped_column(Integer)
     kv_events_port: Mapped[int | None] = mapped_column(Integer)
@@ -519,6 +625,10 @@ class Shard(Base):
     proxy_url: Mapped[str] = mapped_column(Text, server_default="")
     # The end of the engine's log when it failed (bounded by the protocol).
     log_tail: Mapped[str] = mapped_column(Text, server_default="")
+    # The engine's runtime adapters as its agent last reported them: [{"name", "state",
+    # "reason", "failures"}], protocol.AdapterObserved. The route table sends an adapter's
+    # requests only where it is "loaded".
+    observed_adapters: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))
     restarts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     observed_at: Mapped[datetime | None] = mapped_column()
     started_at: Mapped[datetime | None] = mapped_column()
@@ -726,6 +836,7 @@ class GatewayDemand(Base):
             "AND engine_waiting >= 0",
             name="autoscale_counts_nonnegative",
         ),
+        CheckConstraint("requests_per_s >= 0", name="requests_per_s_nonnegative"),
     )
 
     instance_id: Mapped[str] = mapped_column(Text, primary_key=True)
@@ -747,6 +858,9 @@ class GatewayDemand(Base):
     engine_waiting: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     # Share of routed prompt tokens found in a replica's prefix cache; None: none routed.
     hit_rate: Mapped[float | None] = mapped_column(Float)
+    # Requests per second this gateway received for the name lately (a moving average): what
+    # the leader's adapter placement scales an adapter's holders by.
+    requests_per_s: Mapped[float] = mapped_column(Float, server_default=text("0"))
     updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
@@ -831,9 +945,14 @@ ROUTES_NOTIFY_DDL = (
     "CREATE FUNCTION llmgw_notify_routes() RETURNS trigger LANGUAGE plpgsql AS "
     "$$ BEGIN PERFORM pg_notify('llmgw_routes_changed', TG_TABLE_NAME); RETURN NULL; END $$",
     "CREATE TRIGGER shards_notify_routes AFTER INSERT OR DELETE OR UPDATE OF observed_state, "
-    "proxy_url, desired_state, released, engine_api_key ON shards "
+    "proxy_url, desired_state, released, engine_api_key, observed_adapters ON shards "
     "FOR EACH STATEMENT EXECUTE FUNCTION llmgw_notify_routes()",
     "CREATE TRIGGER replicas_notify_routes AFTER DELETE OR UPDATE OF state ON replicas "
+    "FOR EACH STATEMENT EXECUTE FUNCTION llmgw_notify_routes()",
+    # Declared adapters (migration 0012): names and bases the gateways will route by once
+    # adapters are placed; the route table re-reads on it already.
+    "CREATE TRIGGER adapters_notify_routes AFTER INSERT OR DELETE OR UPDATE OF name, model, "
+    "path, min_replicas, max_replicas, pinned ON adapters "
     "FOR EACH STATEMENT EXECUTE FUNCTION llmgw_notify_routes()",
 )
 for _statement in ROUTES_NOTIFY_DDL:

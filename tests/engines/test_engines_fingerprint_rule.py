@@ -40,7 +40,7 @@ _REG = EngineRegistry(
 )
 _MULTI = {"vllm", "sglang", "trtllm", "megatron"}
 _KV = {"vllm", "sim"}
-_CPU = {"llamacpp", "sim"}
+_CPU = {"llamacpp", "sim", "vllm"}
 
 _POOLS: dict[str, st.SearchStrategy[Any]] = {
     "model_path": st.sampled_from(["/m/a", "/m/b"]),
@@ -54,7 +54,9 @@ _POOLS: dict[str, st.SearchStrategy[Any]] = {
     "args": st.sampled_from(
         [[], ["--max-model-len", "4096"], ["--enforce-eager"], ["-dp", "2"], ["--dp-size", "2"]]
     ),
-    "env": st.sampled_from([{}, {"NCCL_DEBUG": "INFO"}, {"NCCL_DEBUG": "WARN"}]),
+    "env": st.sampled_from(
+        [{}, {"NCCL_DEBUG": "INFO"}, {"NCCL_DEBUG": "WARN"}, {"VLLM_CPU_KVCACHE_SPACE": "2"}]
+    ),
     "secret_env": st.sampled_from([{}, {"HF_TOKEN": "ref-1"}, {"HF_TOKEN": "ref-2"}]),
     "adapters": st.sampled_from([[], [{"name": "x", "path": "/l/x"}]]),
     "kv_events": st.booleans(),
@@ -110,6 +112,8 @@ _placement = st.fixed_dictionaries(
         "first_gpu": st.integers(0, 3),
         "base_env": st.sampled_from([{}, {"PATH": "/bin", "HF_HOME": "/hf"}]),
         "secret": st.sampled_from(["s3cret-value-1", "s3cret-value-2"]),
+        # The cores an agent picked for a CPU shard: a placement choice, never in the fingerprint.
+        "cpu_cores": st.sampled_from([[], [0, 1, 2, 3], [8, 9]]),
     }
 )
 
@@ -136,6 +140,7 @@ def _commands(p: Profile, pl: dict[str, Any]) -> list[list[dict[str, Any]]]:
                 "kv_events_port": pl["kv_events_port"] if p.kv_events else 0,
                 "api_key": pl["api_key"],
                 "secret_env": {n: pl["secret"] for n in p.secret_env},
+                "cpu_cores": pl["cpu_cores"] if p.cpu_only else [],
                 "profile": p,
             }
         )
@@ -165,6 +170,19 @@ def test_the_seed_without_kv_events_is_the_case_from_the_issue() -> None:
     one = Profile.model_validate({**base, "kv_hash": {"seed": "11"}})
     two = Profile.model_validate({**base, "kv_hash": {"seed": "12"}})
     pl = {"http_port": 8000, "kv_events_port": 1, "api_key": "", "first_gpu": 0,
-          "base_env": {}, "secret": "x"}  # fmt: skip
+          "base_env": {}, "secret": "x", "cpu_cores": []}  # fmt: skip
     assert _commands(one, pl) == _commands(two, pl)
     assert profile_fingerprint(one) == profile_fingerprint(two)
+
+
+def test_the_cpu_kv_cache_size_rolls_replicas_and_the_cores_do_not() -> None:
+    base = {"name": "p", "engine": "vllm", "model_path": "/m", "model": "m", "gpu_class": "cpu",
+            "threads": 4}  # fmt: skip
+    one = Profile.model_validate(base)
+    two = Profile.model_validate({**base, "env": {"VLLM_CPU_KVCACHE_SPACE": "2"}})
+    assert profile_fingerprint(one) != profile_fingerprint(two)
+    pl = {"http_port": 8000, "kv_events_port": 1, "api_key": "", "first_gpu": 0,
+          "base_env": {}, "secret": "x"}  # fmt: skip
+    assert _commands(one, {**pl, "cpu_cores": [0, 1, 2, 3]}) != _commands(
+        one, {**pl, "cpu_cores": [4, 5, 6, 7]}
+    )  # where it runs, not what: the fingerprint has no cores in it

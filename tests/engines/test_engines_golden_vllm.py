@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from llmgw.engines import Adapter, KVHashParams
+from llmgw.engines.vllm import cpu_list
 from tests.engines.engines_testkit import SEED, build, profile, registry, spec
 
 INHERITED = {"HOME": "/root", "LD_LIBRARY_PATH": "/usr/local/cuda/lib64", "PATH": "/usr/bin:/bin"}
@@ -29,6 +30,8 @@ def test_one_gpu_with_api_key_binds_loopback_and_keeps_key_off_argv() -> None:
         "CUDA_VISIBLE_DEVICES": "0",
         "NCCL_IB_DISABLE": "1",
         "VLLM_API_KEY": "sk-shard-key-123456",
+        # Stored responses kept for follow-ups (previous_response_id, GET, cancel).
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     }
     assert list(c.env) == sorted(c.env)
     assert not c.wait_for_leader_port
@@ -99,6 +102,7 @@ IB_ENV = {
     "NCCL_IB_DISABLE": "0",
     "NCCL_IB_HCA": "mlx5_0,mlx5_1",
     "NCCL_SOCKET_IFNAME": "eth0",
+    "VLLM_ENABLE_RESPONSES_API_STORE": "1",
 }
 COMMON_TP16 = [
     "serve", "/models/llama-3-8b",
@@ -211,3 +215,79 @@ def test_sleep_mode_makes_a_replica_suspendable_with_vllms_own_calls() -> None:
     assert eng.can_suspend(profile(args=["--enable-sleep"]))
     # Other engines without a suspend never are.
     assert not registry().get("sglang").can_suspend(profile(engine="sglang"))
+
+
+# --- vLLM on the CPU (issue 35) -----------------------------------------------------------------
+
+
+def test_cpu_shard_is_bound_to_its_cores_with_a_kv_cache_and_no_gpu() -> None:
+    p = profile(
+        gpu_class="cpu", threads=4, kv_events=True, kv_hash=KVHashParams(seed=SEED, block_size=32)
+    )
+    s = spec(p, threads=4, cpu_cores=[6, 2, 3, 4], kv_events_port=41001, kv_replay_port=41002)
+    [c] = build(s, {**INHERITED, "VLLM_CPU_OMP_THREADS_BIND": "0-63"})
+    assert list(c.args) == [
+        "serve", "/models/llama-3-8b",
+        "--served-model-name", "llama-3-8b",
+        "--host", "127.0.0.1",
+        "--port", "8100",
+        "--tensor-parallel-size", "1",
+        "--pipeline-parallel-size", "1",
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo", "sha256_cbor",
+        "--block-size", "32",
+        "--kv-events-config",
+        '{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:41001","publisher":"zmq",'
+        '"replay_endpoint":"tcp://127.0.0.1:41002","topic":"kv@shard-1"}',
+    ]  # fmt: skip
+    assert c.env == {
+        **INHERITED,
+        # Every GPU hidden: a CUDA-capable build must not reach for another shard's card.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "",
+        "NCCL_IB_DISABLE": "1",
+        "OMP_NUM_THREADS": "4",
+        "PYTHONHASHSEED": SEED,
+        # The agent's cores, as vLLM's parser reads a list; the agent's own value is dropped.
+        "VLLM_CPU_OMP_THREADS_BIND": "2-4,6",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+    }
+
+
+def test_cpu_kv_cache_from_the_profile_env_and_no_binding_without_chosen_cores() -> None:
+    p = profile(gpu_class="cpu", threads=2, env={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    [c] = build(spec(p))
+    assert c.env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert c.env["OMP_NUM_THREADS"] == "2"  # the profile's count when placement gave none
+    # A spec no agent filled (llmgw engines command): vLLM's "auto" would take a whole NUMA
+    # node's cores, the other shards' included.
+    assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "--block-size" not in c.args  # vLLM's CPU default (128) is a multiple of 32
+    # On a GPU none of it is set.
+    [g] = build(spec(profile()))
+    assert not {"OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"} & set(
+        g.env
+    )
+
+
+def test_cpu_list_writes_runs_as_ranges() -> None:
+    assert cpu_list([]) == ""
+    assert cpu_list([3]) == "3"
+    assert cpu_list([5, 0, 1, 2, 7, 8, 10]) == "0-2,5,7-8,10"
+
+
+def test_a_cpu_replica_cannot_suspend_and_says_why() -> None:
+    eng = registry().get("vllm")
+    cpu = profile(gpu_class="cpu", threads=2)
+    assert not eng.can_suspend(cpu)
+    assert eng.suspend_refusal(cpu) == (
+        "vLLM's sleep mode is CUDA-only, and the profile runs on the CPU"
+    )
+    assert "VLLM_SERVER_DEV_MODE" not in build(spec(cpu))[0].env
+    assert eng.suspend_refusal(profile()) == (
+        "the profile's args do not turn on vLLM's sleep mode (--enable-sleep-mode)"
+    )
+    assert eng.suspend_refusal(profile(args=["--enable-sleep-mode"])) == ""
+    llama = profile(engine="llamacpp", gpu_class="cpu")
+    assert registry().get("llamacpp").suspend_refusal(llama) == "llamacpp has no suspend"

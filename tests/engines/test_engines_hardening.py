@@ -263,7 +263,7 @@ def test_the_control_planes_bridge_passes_the_models_name() -> None:
         "nodes": 1, "model_path": "/models/llama", "served_model_name": "", "args": [],
         "env": {}, "secret_env": {}, "adapters": [], "kv_events": False, "threads": 0,
         "kv_hash_seed": SEED, "kv_block_size": 16, "kv_hash_algo": "sha256_cbor",
-        "kv_extra_key_format": "tagged", "multinode_backend": "ray",
+        "kv_extra_key_format": "tagged", "multinode_backend": "ray", "adapter_slots": 0,
     }  # fmt: skip
     assert set(fields) == set(LAUNCH_FIELDS)
     assert engine_profile("p", fields, model="llama").served_name == "llama"

@@ -109,7 +109,11 @@ def test_engines_that_cannot_span_nodes_refuse_to() -> None:
 
 
 def test_cpu_profiles_only_on_cpu_engines() -> None:
-    refused("engine vllm does not run on CPU alone", gpu_class="cpu")
+    refused(
+        "engine sglang does not run on CPU alone; use llamacpp or vllm", engine="sglang",
+        gpu_class="cpu",
+    )  # fmt: skip
+    assert validate(gpu_class="cpu", threads=4) == []  # vLLM's CPU build (issue 35)
     refused("a CPU profile runs as one process", engine="llamacpp", gpu_class="cpu", tp=2)
     assert validate(engine="llamacpp", gpu_class="cpu", threads=8) == []
 
@@ -316,3 +320,91 @@ def test_a_seed_python_would_refuse_is_refused(seed: str) -> None:
 
 def test_the_largest_seed_python_takes_is_accepted() -> None:
     assert KVHashParams(seed="4294967295").seed == "4294967295"
+
+
+# --- vLLM on the CPU (issue 35): what CPU attention and the CPU build cannot run ---------------
+
+
+def cpu(**kw: Any) -> dict[str, Any]:
+    return {"gpu_class": "cpu", "threads": 4, **kw}
+
+
+def test_cpu_vllm_refuses_kv_blocks_that_are_not_a_multiple_of_32() -> None:
+    kv = {"kv_events": True}
+    err = refused(
+        r"kv_hash.block_size is 16, but vLLM's CPU attention takes KV blocks of a multiple of "
+        r"32 tokens only .*; set it to 32, 64 or 128",
+        **cpu(**kv, kv_hash=KVHashParams(seed=SEED)),  # the default block size, 16
+    )
+    assert err.field == "profile.kv_hash.block_size"
+    assert validate(**cpu(**kv, kv_hash=KVHashParams(seed=SEED, block_size=64))) == []
+    # Without kv_events the size is the profile's --block-size, in any spelling vLLM takes.
+    err = refused(r"--block-size in args is 48", **cpu(args=["--block-size", "48"]))
+    assert err.field == "profile.args"
+    refused(r"--block-size in args is 16", **cpu(args=["--block_size=16"]))
+    refused(r"--block-size in args is 'x', not a whole number", **cpu(args=["--block-size", "x"]))
+    assert validate(**cpu(args=["--block-size=128"])) == []
+    # A GPU profile keeps vLLM's own rules: 16 is its default there.
+    assert validate(args=["--block-size", "16"]) == []
+
+
+def test_cpu_vllm_refuses_sleep_mode_data_parallelism_and_a_fractional_cache() -> None:
+    err = refused(
+        r"--enable-sleep-mode is CUDA-only in vLLM, and this profile runs on the CPU; remove it",
+        **cpu(args=["--enable-sleep-mode"]),
+    )
+    assert err.field == "profile.args"
+    assert validate(**cpu(args=["--enable-sleep-mode", "--no-enable-sleep-mode"])) == []
+    refused(
+        r"data parallelism 2 on the CPU is refused.*run more replicas", **cpu(args=["-dp", "2"])
+    )
+    for bad in ("0.25", "0", "", "two"):
+        err = refused(
+            rf"env VLLM_CPU_KVCACHE_SPACE is {bad!r}, but vLLM reads a whole number of GiB",
+            **cpu(env={"VLLM_CPU_KVCACHE_SPACE": bad}),
+        )
+        assert err.field == "profile.env"
+    assert validate(**cpu(env={"VLLM_CPU_KVCACHE_SPACE": "8"})) == []
+    # The size is the variable's: the flag vLLM would silently override is refused.
+    refused(
+        r"sets --kv-cache-memory-bytes, which the vllm adapter sets itself; remove it and use "
+        r"the profile's env VLLM_CPU_KVCACHE_SPACE",
+        **cpu(args=["--kv-cache-memory-bytes", "1000000000"]),
+    )
+    # The cores are the agent's to choose.
+    refused(r"env may not set VLLM_CPU_OMP_THREADS_BIND: llmgw binds each CPU shard",
+            **cpu(env={"VLLM_CPU_OMP_THREADS_BIND": "0-3"}))  # fmt: skip
+    # On a GPU the CPU cache variable does nothing: a warning, not a refusal.
+    [warning] = validate(env={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert "sizes vLLM's KV cache on the CPU only" in warning
+
+
+def test_cpu_vllm_is_refused_at_launch_too() -> None:
+    """A profile stored before these rules (or a spec from anywhere) must not start either."""
+    bad = profile(**cpu(args=["--block-size", "16"]))
+    with pytest.raises(SpecError, match="multiple of 32"):
+        build(spec(bad))
+
+
+def test_cpu_vllm_refuses_a_model_whose_heads_are_under_32_dimensions() -> None:
+    eng = registry().get("vllm")
+    p = profile(**cpu())
+    assert eng.wants_model_config(p) and not eng.wants_model_config(profile())
+    with pytest.raises(SpecError) as e:
+        eng.check_model_config(p, {"head_dim": 16, "hidden_size": 256, "num_attention_heads": 4})
+    assert e.value.message == (
+        "profile 'llama-h100': the model's attention heads have 16 dimensions (its "
+        "config.json), but vLLM's CPU attention needs 32 or more (it fails at the first "
+        "request, then answers 500 until restarted); run this model on a GPU class or with "
+        "llamacpp"
+    )
+    assert e.value.field == "profile.model_path"
+    # No head_dim: hidden_size / num_attention_heads, as vLLM reads it; a multimodal model's
+    # text_config where the top has neither.
+    with pytest.raises(SpecError, match="have 16 dimensions"):
+        eng.check_model_config(p, {"hidden_size": 128, "num_attention_heads": 8})
+    with pytest.raises(SpecError, match="have 8 dimensions"):
+        eng.check_model_config(p, {"text_config": {"hidden_size": 64, "num_attention_heads": 8}})
+    eng.check_model_config(p, {"hidden_size": 128, "num_attention_heads": 2})  # 64: fine
+    eng.check_model_config(p, {"architectures": ["Whatever"]})  # says nothing: left to vLLM
+    eng.check_model_config(profile(), {"head_dim": 16})  # a GPU runs it

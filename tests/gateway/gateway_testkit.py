@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +16,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.config import GatewaySettings
-from llmgw.gateway.app import Gateway, TokenizerSource
+from llmgw.gateway.app import Gateway, RouteSource, TokenizerSource
 from llmgw.gateway.errors import GatewayError, internal_error
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routes import Endpoint, ModelRoute, RouteTable
@@ -99,6 +99,10 @@ class StandInKeys:
 class StaticRoutes:
     def __init__(self, table: RouteTable) -> None:
         self.table = table
+        self.catch_ups = 0
+
+    async def catch_up(self) -> None:
+        self.catch_ups += 1
 
 
 def endpoint(replica: str, url: str, *, api_key: str = SIM_KEY) -> Endpoint:
@@ -159,24 +163,30 @@ def serve_asgi(app: Any, *, lifespan: str = "off") -> Iterator[str]:
 
 @contextmanager
 def serve_gateway(
-    routes: RouteTable,
+    routes: RouteTable | RouteSource,
     keys: dict[str, Key],
     *,
     settings: GatewaySettings | None = None,
     intake: ShardViews | None = None,
     tokenizer_files: TokenizerSource | None = None,
+    starts: Sequence[Callable[[], Awaitable[None]]] = (),
+    stops: Sequence[Callable[[], Awaitable[None]]] = (),
 ) -> Iterator[Served]:
+    """``routes``: a fixed table, or a source that keeps one current (a ``RouteCache``,
+    started by ``starts`` on the gateway's own loop)."""
     registry = CollectorRegistry()
     limits = StandInLimits()
     standin_keys = StandInKeys(keys)
     gateway: Gateway[Key] = Gateway(
         settings=settings or GatewaySettings(),
-        routes=StaticRoutes(routes),
+        routes=StaticRoutes(routes) if isinstance(routes, RouteTable) else routes,
         authenticate=standin_keys.authenticate,
         admit=limits.admit,
         metrics=GatewayMetrics.create(registry),
         intake=intake,
         tokenizer_files=tokenizer_files,
+        starts=starts,
+        stops=stops,
     )
     app = RequestLog(gateway, listener="public", internal_error=internal_error)
     with serve_asgi(app, lifespan="on") as url:

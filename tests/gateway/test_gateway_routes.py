@@ -18,6 +18,13 @@ from llmgw.gateway.routes import RouteCache
 from llmgw.store.catalog import CHANGE_CHANNEL
 from llmgw.store.database import create_engine, session_factory
 from llmgw.store.notify import NotifyHub
+from llmgw.store.routes import (
+    AdapterRow,
+    ObservedAdapter,
+    read_adapters,
+    read_declared,
+    read_routes,
+)
 from tests.controlplane.agentapi.agentapi_testkit import place_shard
 from tests.support.procs import free_port
 
@@ -190,5 +197,94 @@ async def test_route_changes_reach_the_gateway_through_the_database_triggers(db_
         finally:
             await cache.stop()
             await hub.stop()
+    finally:
+        await engine.dispose()
+
+
+async def test_runtime_adapters_are_read_with_their_shards_and_declarations(db_url: str) -> None:
+    """``store.routes`` against Postgres (issue [lora]): each shard's placed and reported
+    runtime adapters (an unreadable entry skipped, not fatal), its profile's adapter slots,
+    the declared adapters and each deployment's model; the cache's table from them."""
+    engine = create_engine(db_url, pool_size=2)
+    sessions = session_factory(engine)
+    try:
+        shard = await place_shard(sessions, await _node(sessions), gpus=(0,), model="m")
+        await _ready(sessions, shard)
+        await _sql(sessions, "UPDATE profiles SET adapter_slots = 3 WHERE name = 'm-sim'")
+        await _sql(
+            sessions,
+            "INSERT INTO adapters (name, model, path) VALUES ('x', 'm', '/a/x'), ('y', 'm', '/a/y')",
+        )
+        desired = '[{"name": "x", "path": "/a/x", "pinned": false}, {"name": "y", "path": "/a/y"}]'
+        observed = (
+            '[{"name": "x", "state": "loaded", "reason": "", "failures": 0}, '
+            '{"name": "y", "state": "failed", "reason": "bad adapter", "failures": 2}, '
+            '"junk", {"state": "loaded"}]'
+        )
+        await _sql(
+            sessions,
+            "UPDATE shards SET desired_adapters = CAST(:d AS jsonb), "
+            "observed_adapters = CAST(:o AS jsonb) WHERE id = :id",
+            d=desired,
+            o=observed,
+            id=shard,
+        )
+        async with sessions() as session, session.begin():
+            (row,) = await read_routes(session)
+            (declared,) = await read_declared(session)
+            adapters = await read_adapters(session)
+        assert row.desired_adapters == {"x", "y"} and row.adapter_slots == 3
+        assert row.observed_adapters == (
+            ObservedAdapter("x", "loaded", ""),
+            ObservedAdapter("y", "failed", "bad adapter"),
+        )
+        assert (declared.name, declared.model, declared.adapter_slots) == ("m", "m", 3)
+        assert adapters == [AdapterRow("x", "m", "/a/x"), AdapterRow("y", "m", "/a/y")]
+
+        cache = RouteCache(sessions, notify=None, refresh_s=60.0)
+        await cache.refresh()
+        x, y = cache.table.routes["x"], cache.table.routes["y"]
+        assert [e.shard for e in x.endpoints] == [shard] and x.runtime
+        assert dict(x.endpoints[0].adapters) == {"x": "/a/x"}
+        assert y.endpoints == () and y.adapter_blocked is not None
+        assert y.adapter_blocked.code == "adapter_load_failed"
+        assert "bad adapter" in y.adapter_blocked.message
+    finally:
+        await engine.dispose()
+
+
+async def test_a_lookup_that_missed_catches_up_with_one_shared_spaced_read(db_url: str) -> None:
+    """An adapter declared a moment ago, its NOTIFY not read yet (here: none, and a minute's
+    period): ``catch_up`` returns once a read begun after it has finished, so the name is
+    found; callers at once share one read, and the next such read waits out the gap."""
+    engine = create_engine(db_url, pool_size=2)
+    sessions = session_factory(engine)
+
+    class Counting(RouteCache):
+        reads = 0
+
+        async def refresh(self) -> None:
+            Counting.reads += 1
+            await super().refresh()
+
+    try:
+        shard = await place_shard(sessions, await _node(sessions), gpus=(0,), model="m")
+        await _ready(sessions, shard)
+        await _sql(sessions, "UPDATE profiles SET adapter_slots = 2 WHERE name = 'm-sim'")
+        cache = Counting(sessions, notify=None, refresh_s=60.0)
+        await cache.start()
+        try:
+            assert "m" in cache.table.routes and "x" not in cache.table.routes
+            await _sql(sessions, "INSERT INTO adapters (name, model, path) VALUES ('x', 'm', '/a')")
+            before = Counting.reads
+            await asyncio.gather(*(cache.catch_up() for _ in range(20)))
+            assert "x" in cache.table.routes
+            assert Counting.reads == before + 1
+            began = time.monotonic()
+            await cache.catch_up()
+            assert Counting.reads == before + 2
+            assert time.monotonic() - began >= 0.2  # the gap since the read before it
+        finally:
+            await cache.stop()
     finally:
         await engine.dispose()

@@ -113,9 +113,9 @@ def test_every_failure_is_a_reply_naming_it() -> None:
     refuses = _with_template("{{ raise_exception('no system role') }}")
     got = _tokenize(_worker_with(refuses), SMALL_CHAT, chat=True)
     assert got["kind"] == "refused" and "no system role" in got["error"]
-    # A null content the template concatenates: the body's fault (the engine's 400 too).
-    null = {"messages": [{"role": "user", "content": None}]}
-    got = _tokenize(_worker_with(TINY), null, chat=True)
+    # A role the template cannot concatenate: the body's fault (the engine's 400 too).
+    bad = {"messages": [{"role": 5, "content": "hi"}]}
+    got = _tokenize(_worker_with(TINY), bad, chat=True)
     assert got["kind"] == "refused" and "messages" in got["error"]
     # MemoryError: a reply, then the worker exits (its heap may be in any state).
     worker = _worker_with(TINY)

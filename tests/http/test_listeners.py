@@ -119,3 +119,21 @@ def test_a_taken_public_port_fails_at_start_naming_the_setting(db_url: str, tmp_
     assert code != 0
     text = log.read_text()
     assert "gateway.port" in text and str(taken) in text, text[-2000:]
+
+
+def test_the_internal_openapi_document_lists_every_public_route(two_listeners: _Cp) -> None:
+    cp = two_listeners
+    listed = httpx.get(f"{cp.internal}/openapi.json").json()["x-llmgw-public-routes"]
+    routes = {(r["method"], r["path"]) for r in listed}
+    assert ("POST", "/v1/responses") in routes and ("POST", "/v1/embeddings") in routes
+    # Each is served by the public listener: the key is asked for (401), never "no such
+    # route" (404), in the family's own error shape.
+    for r in listed:
+        path = r["path"].replace("{id}", "resp_x")
+        answer = httpx.request(r["method"], f"{cp.public}{path}", json={})
+        assert answer.status_code == 401, (r, answer.text)
+        body = answer.json()
+        if r["errors"] == "anthropic":
+            assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        else:
+            assert body["error"]["code"] == "invalid_api_key", body

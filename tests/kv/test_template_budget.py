@@ -102,9 +102,13 @@ def test_the_output_cap_is_the_rendered_text_not_the_request_text() -> None:
 
 
 def test_a_template_failing_on_the_messages_values_is_the_callers_error() -> None:
-    # The tiny model's template concatenates the content: a null one is a TypeError.
+    # The tiny model's template concatenates the role: a number is a TypeError. (A null
+    # content is not: vLLM hands the template empty text for it, and so does the gateway.)
+    assert HfTokenizer(TINY).render_chat([{"role": "user", "content": None}]) == (
+        HfTokenizer(TINY).render_chat([{"role": "user", "content": ""}])
+    )
     with pytest.raises(SpecError) as caught:
-        HfTokenizer(TINY).render_chat([{"role": "user", "content": None}])
+        HfTokenizer(TINY).render_chat([{"role": 5, "content": "hi"}])
     assert caught.value.field == "messages" and "TypeError" in caught.value.message
     assert type(caught.value) is SpecError  # the body's fault, not the template's budget
     with pytest.raises(SpecError, match="ValueError") as caught:
@@ -112,9 +116,7 @@ def test_a_template_failing_on_the_messages_values_is_the_callers_error() -> Non
     assert caught.value.field == "messages"
     # Through render_request too, as the simulator and the workers call it.
     with pytest.raises(SpecError, match="messages"):
-        HfTokenizer(TINY).render_request(
-            {"messages": [{"role": "user", "content": None}]}, chat=True
-        )
+        HfTokenizer(TINY).render_request({"messages": [{"role": 5, "content": "hi"}]}, chat=True)
 
 
 TEMPLATES = [
@@ -156,3 +158,29 @@ def test_an_ordinary_template_renders_as_the_plain_sandbox_renders_it(template: 
 def _specials() -> dict[str, str]:
     config = json.loads(TINY.files["tokenizer_config.json"])
     return {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+
+
+_ROLES = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+
+
+def test_developer_messages_render_as_vllm_renders_them() -> None:
+    chat = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "d1"}, {"type": "text", "text": "d2"}],
+        },
+        {"role": "developer", "content": ""},
+    ]
+    # A template that does not name the role: each developer message becomes a system one,
+    # and all system messages merge at the front, joined by a blank line, empty ones left out.
+    assert _tokenizer(_ROLES).render_chat(chat) == "[system:s\n\nd1\nd2][user:u]"
+    # One system message already first and no developer one: nothing changes.
+    assert _tokenizer(_ROLES).render_chat(chat[:2]) == "[system:s][user:u]"
+    # A lone developer message first: renamed, not merged with anything.
+    alone = [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]
+    assert _tokenizer(_ROLES).render_chat(alone) == "[system:d][user:u]"
+    # A template that names it renders it as sent.
+    knows = "{# 'developer' #}" + _ROLES
+    assert _tokenizer(knows).render_chat(chat[:3]) == "[system:s][user:u][developer:d1\nd2]"

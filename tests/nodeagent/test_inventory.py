@@ -3,13 +3,14 @@ hardware boundary), the inventory file, simulated GPUs, and fabrics checked agai
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from llmgw.engines import EnginesConfig
+from llmgw.engines import EnginesConfig, VLLMConfig
 from llmgw.errors import ConfigError
 from llmgw.nodeagent.inventory import (
     FileGpuSource,
@@ -20,6 +21,7 @@ from llmgw.nodeagent.inventory import (
     load_inventory_file,
     mig_index,
 )
+from llmgw.nodeagent.inventory.file import InventoryFile
 from llmgw.protocol import FabricInfo
 
 
@@ -237,3 +239,42 @@ def test_collect_inventory_reports_engines_and_threads() -> None:
     engines = {e.name: e for e in inv.engines}
     assert engines["vllm"].disabled
     assert inv.cpu_threads == 8 and inv.source == "sim" and len(inv.gpus) == 2
+
+
+def _program(d: Path, name: str) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / name
+    p.write_text("#!/bin/sh\nexit 0\n")
+    p.chmod(0o755)
+    return p
+
+
+def test_a_cpu_only_node_offers_vllm_found_on_path_or_at_its_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: a node with no GPU and a CPU build of vLLM offers vllm, as it offers
+    llama.cpp: by the program on the agent's PATH, or at agent.engines.vllm.path."""
+    on_path = _program(tmp_path / "bin", "vllm")
+    monkeypatch.setenv("PATH", f"{on_path.parent}:/usr/bin:/bin")
+    inv = collect_inventory(
+        FileGpuSource(InventoryFile()), fabrics=[], engines=EnginesConfig(), llmgw_version="1"
+    )
+    engines = {e.name: e for e in inv.engines}
+    assert inv.gpus == () and inv.cpu_threads >= 1
+    assert (engines["vllm"].disabled, engines["vllm"].path) == (False, str(on_path))
+    # At a path of its own, off PATH (the launcher of a virtual environment, say).
+    venv = _program(tmp_path / "venv" / "bin", "vllm-launcher")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    inv = collect_inventory(
+        FileGpuSource(InventoryFile()),
+        fabrics=[],
+        engines=EnginesConfig(vllm=VLLMConfig(path=str(venv))),
+        llmgw_version="1",
+    )
+    assert {e.name: e for e in inv.engines}["vllm"].path == str(venv)
+    # Neither: not offered.
+    inv = collect_inventory(
+        FileGpuSource(InventoryFile()), fabrics=[], engines=EnginesConfig(), llmgw_version="1"
+    )
+    if not shutil.which("vllm"):
+        assert {e.name: e for e in inv.engines}["vllm"].disabled

@@ -285,3 +285,28 @@ def test_properties(
         d2 = decide(History(s, st2), p, now)
         if p.scale_up_window_s > 0 and d2.changed and p.min_replicas <= d.desired:
             assert d2.desired <= d.desired or d.desired == 0
+
+
+CPU_VLLM = "vLLM's sleep mode is CUDA-only, and the profile runs on the CPU"
+
+
+def test_idle_replicas_that_cannot_suspend_are_stopped_instead_saying_why() -> None:
+    """Issue 35: a CPU vLLM replica has no sleep mode; a placement kept for an engine its agent
+    stops would hold CPU threads that serve nobody."""
+    h = History(samples(0, 300), state(2))
+    d = decide(h, POLICY, at(300), suspend_refusal=CPU_VLLM)
+    assert (d.desired, d.warm, d.changed) == (0, 0, True)
+    assert d.reason == (
+        "scaled 2\u21920: stopped, not suspended (vLLM's sleep mode is CUDA-only, and the "
+        "profile runs on the CPU): idle for 300 s \u2265 suspend_after_s 300"
+    )
+    assert d.suspended_since is None
+    # Replicas suspended before the profile lost its sleep (an edit) are stopped at once.
+    asleep = state(1, 3, suspended_since=at(100), last_scaled_at=at(100))
+    s = decide(History(samples(290, 300, in_flight=1), asleep), POLICY, at(300),
+               suspend_refusal=CPU_VLLM)  # fmt: skip
+    assert (s.desired, s.warm) == (1, 1)
+    assert s.reason == f"stopped 2 suspended replicas: they cannot suspend ({CPU_VLLM})"
+    # A wake from zero is unaffected.
+    w = decide(History(samples(0, 2, held=1), state(0)), POLICY, at(2), suspend_refusal=CPU_VLLM)
+    assert (w.desired, w.warm) == (1, 1)

@@ -5,19 +5,25 @@ kept; status counts them suspended, not ready, and a settled fleet is complete."
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 
+from llmgw.engines import Profile as EngineProfile
 from llmgw.planner.actions import (
     CreateReplica,
     SetShardsDesiredState,
     StopReplica,
     UpdateRolloutStatus,
 )
-from llmgw.planner.autoscale import AutoscalePolicy
+from llmgw.planner.autoscale import AutoscalePolicy, ScaleState
+from llmgw.planner.intake import launch_of
+from llmgw.planner.scaling import DemandHistory, scale_snapshot
+from llmgw.planner.snapshot import DeploymentId
 from llmgw.planner.status import status_actions
 from tests.planner.planner_testkit import (
     T0,
     deployment,
     node,
+    profile,
     ready_count,
     run_until_settled,
     snapshot,
@@ -100,3 +106,53 @@ def test_a_wake_while_the_stopped_replicas_still_hold_the_gpus_says_they_free_th
     (status,) = [a.status for a in wake.actions if isinstance(a, UpdateRolloutStatus)]
     assert "cannot place a replica" in status.reason, status.reason
     assert "waiting for stopping replicas to free their GPUs" in status.reason
+
+
+CPU_VLLM = "vLLM's sleep mode is CUDA-only, and the profile runs on the CPU"
+
+
+def test_replicas_that_cannot_suspend_are_said_to_be_stopped_not_suspended() -> None:
+    """Issue 35: where the profile's engine cannot suspend, the agent stops a replica desired
+    suspended; the plan, the autoscaler and the status say so (and say why)."""
+    prof = profile(engine="vllm", gpu_class="cpu", threads=2)
+    prof = replace(prof, suspend_refusal=CPU_VLLM)
+    d = deployment("d", 1, prof, autoscale=POLICY, warm_replicas=1)
+    snap, now, _ = run_until_settled(snapshot([d], [node("n1", 0, threads=8)]), T0)
+    assert ready_count(snap, "d") == 1
+    # A warm count above the serving one (state from before the profile lost its sleep):
+    # the plan keeps it placed, as for any engine, but names what its agent does.
+    snap2, plan = step(_with(snap, 0, 1), now)
+    (act,) = [a for a in plan.actions if isinstance(a, SetShardsDesiredState)]
+    assert act.reason == f"autoscale: idle, kept placed with its engine stopped ({CPU_VLLM})"
+    (status,) = [a.status for a in status_actions(snap, snap2, now, {})]
+    assert status.reason.endswith(f"; 1 suspended (engines stopped: {CPU_VLLM})")
+    # And the autoscaler, asked through the pass, stops it rather than keep it.
+    h = DemandHistory()
+    h.record(now, {"m"}, {})
+    h.record(now + timedelta(seconds=700), {"m"}, {})
+    _, decisions = scale_snapshot(
+        _with(snap2, 0, 1), history=h, served={DeploymentId("d"): "m"},
+        state={DeploymentId("d"): ScaleState(0, 1, suspended_since=now)}, broken={},
+        now=now + timedelta(seconds=700),
+    )  # fmt: skip
+    decision = decisions[DeploymentId("d")]
+    assert (decision.desired, decision.warm) == (0, 0)
+    assert decision.reason == f"stopped 1 suspended replicas: they cannot suspend ({CPU_VLLM})"
+    # An operator's suspend of the whole deployment keeps placement; status names the stop.
+    paused = replace(snap, deployments=(replace(snap.deployments[0], suspended=True),))
+    snap3, _ = step(paused, now)
+    (status,) = [a.status for a in status_actions(paused, snap3, now, {})]
+    assert status.reason == (
+        f"suspended: 1 replicas keep their placement, engines stopped: {CPU_VLLM}"
+    )
+
+
+def test_the_pass_learns_from_the_engine_which_profiles_cannot_suspend() -> None:
+    def launch(**kw: object) -> str:
+        fields = {"name": "p", "engine": "vllm", "model_path": "/m", **kw}
+        return launch_of("p", "x", lambda: EngineProfile.model_validate(fields)).suspend_refusal
+
+    assert launch(gpu_class="cpu", threads=2) == CPU_VLLM
+    assert launch(gpu_class="h100", args=["--enable-sleep-mode"]) == ""
+    assert "--enable-sleep-mode" in launch(gpu_class="h100")
+    assert launch(engine="sim", gpu_class="cpu") == ""  # the simulator suspends

@@ -7,6 +7,8 @@ from datetime import timedelta
 
 import pytest
 
+from llmgw.engines import Profile as EngineProfile
+from llmgw.engines import placement_requirements
 from llmgw.errors import PlacementError
 from llmgw.planner import (
     GPU,
@@ -269,3 +271,23 @@ def test_gpu_classes_match_by_configured_pattern(pattern: str, name: str, fits: 
     settings = PlanSettings(gpu_class_patterns=(("h100", pattern),))
     result = place_replica(_req(gpus=1), _cap([node("a", 1, gpu_name=name)], settings=settings))
     assert isinstance(result, Placement) is fits
+
+
+def test_a_cpu_vllm_profile_is_placed_on_a_node_without_gpus() -> None:
+    """Issue 35: nothing in the requirements of a vLLM profile on `gpu_class: cpu` asks for a
+    GPU; it is placed by threads, as llama.cpp's are."""
+    prof = EngineProfile(
+        name="tiny-cpu", engine="vllm", gpu_class="cpu", threads=4, model_path="/models/tiny"
+    )
+    reqs = placement_requirements(prof)
+    assert (reqs.cpu_only, reqs.gpus_per_node, reqs.threads, reqs.mig_allowed) == (
+        True, 0, 4, False,
+    )  # fmt: skip
+    cap = _cap([node("g", 8), node("c", 0, threads=8)])
+    req = PlacementRequest(DeploymentId("d"), "default", "cpu", "vllm", reqs)
+    first = _placed(place_replica(req, cap)).assignments[0]
+    assert (first.gpus, first.threads) == ((), 4)
+    second = _placed(place_replica(req, cap)).assignments[0]
+    assert second.threads == 4
+    result = _failed(place_replica(req, cap))
+    assert "needs 1 node with 4 free CPU threads" in result.explain()

@@ -28,6 +28,7 @@ _SIM_PROFILE: dict[str, Any] = {
     "secret_env": {},
     "adapters": [],
     "kv_events": False,
+    "adapter_slots": 0,
     "threads": 0,
     "kv_hash_seed": "4242",
     "kv_block_size": 16,

@@ -148,3 +148,38 @@ def test_an_autoscaled_deployment_shows_its_decision_and_held_requests() -> None
     assert row.split()[:6] == ["chat", "0..4", "1", "0", "2", "3"]
     assert "woken: 3 requests held" in screen
     assert "UNCACHED" in screen and "900" in screen
+
+
+def test_runtime_adapters_show_desired_and_loaded_replicas_and_why_one_is_short() -> None:
+    data = _data({})
+    assert "ADAPTERS" not in render(data)  # none declared, or an older control plane
+    data["adapters"] = [
+        {
+            "name": "sql",
+            "model": "demo",
+            "desired": 2,
+            "replicas": 2,
+            "loaded": 1,
+            "unplaced": "",
+            "failures": [
+                {"replica": "r-2", "node": "gpu-2", "reason": "no such dir", "failures": 3}
+            ],
+        },
+        {
+            "name": "chat",
+            "model": "demo",
+            "desired": None,
+            "replicas": 0,
+            "loaded": 0,
+            "unplaced": "no profile of model demo holds adapters at runtime",
+            "failures": [],
+        },
+    ]
+    lines = render(data).splitlines()
+    at = lines.index("ADAPTERS (2)")
+    assert lines[at + 1].split() == ["NAME", "MODEL", "DESIRED", "PLACED", "LOADED", "REASON"]
+    sql, chat = lines[at + 2], lines[at + 3]
+    assert sql.split()[:5] == ["sql", "demo", "2", "2", "1"]
+    assert sql.endswith("load failed on gpu-2 (3x): no such dir")
+    assert chat.split()[:5] == ["chat", "demo", "-", "0", "0"]
+    assert chat.endswith("no profile of model demo holds adapters at runtime")

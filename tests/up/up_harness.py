@@ -22,7 +22,7 @@ from llmgw.nodeagent.procs import MARKER_ENV
 from tests.support.procs import free_port, llmgw_cmd, stop_process
 from tests.support.waiting import wait_for
 
-__all__ = ["Up", "our_pids", "shard_ids"]
+__all__ = ["Up", "our_pids", "shard_ids", "shard_marker"]
 
 
 @dataclass
@@ -144,7 +144,7 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def _marker(pid: str) -> str:
+def shard_marker(pid: str) -> str:
     try:
         env = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
     except OSError:
@@ -177,7 +177,7 @@ def our_pids(up: Up, shards: set[str]) -> dict[int, str]:
             or f"--port {up.admin_port}" in cmd
             # `llmgw gateway` and its workers (the default --host)
             or f"gateway --host 127.0.0.1 --port {up.port}" in cmd
-            or (bool(shards) and _marker(pid) in shards)
+            or (bool(shards) and shard_marker(pid) in shards)
         )
         if mine:
             found[int(pid)] = cmd

@@ -1,7 +1,7 @@
 """The admin API under /admin/v1: one router per resource, assembled into ``admin_router``.
 
-The routers live in ``llmgw.controlplane.admin``: models, profiles and deployments
-(desired state), nodes, bootstrap tokens, replicas (read-only), the reconciler's actions
+The routers live in ``llmgw.controlplane.admin``: models, profiles, declared adapters and
+deployments (desired state), nodes, bootstrap tokens, replicas (read-only), the reconciler's actions
 (read-only), GPU classes, the gateway's API keys and usage, and ``apply`` (many documents,
 all or nothing). What they share (authentication, the per-request transaction, pages,
 audited writes that wake the reconciler) is ``llmgw.controlplane.admin.common``.
@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends
 
 from llmgw.controlplane.admin import (
     actions,
+    adapters,
     apply,
     debug_kv,
     demand,
@@ -43,6 +44,7 @@ admin_router = APIRouter(
 for _module in (
     models,
     profiles,
+    adapters,
     deployments,
     nodes,
     tokens,

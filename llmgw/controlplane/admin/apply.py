@@ -1,4 +1,4 @@
-"""``POST /admin/v1/apply``: many models, profiles and deployments, all or nothing.
+"""``POST /admin/v1/apply``: many models, profiles, adapters and deployments, all or nothing.
 
 Two phases in one transaction. First every document is checked (its schema, the engine's
 validation of a profile, that what it refers to exists in the database or in the same
@@ -6,11 +6,11 @@ request, that a profile or deployment is not moved to another model) and *every*
 is collected: one 422 lists them all, so a file is fixed in one round, and nothing is
 written. A document that fails its schema still has its references checked (a typo in one
 field must not hide a missing model), and an unknown field is answered with the nearest
-known one. Then each object is created or updated, models before profiles before
-deployments, through the same audited writes the per-resource routes use. An object whose
-stored fields already equal its document is ``unchanged``: no version bump, no audit row,
-no NOTIFY. A ``configured`` one lists what it changes, field by field (``diff``), and the
-replicas its new fingerprint rolls. ``dry_run`` runs both phases and rolls back.
+known one. Then each object is created or updated, models before adapters (``kind:
+adapter``, declared on a model) before profiles before deployments, through the same
+audited writes the per-resource routes use. An object whose stored fields already equal its
+document is ``unchanged``: no version bump, no audit row, no NOTIFY. A ``configured`` one
+lists what it changes, field by field (``diff``), and the replicas its new fingerprint rolls. ``dry_run`` runs both phases and rolls back.
 
 Apply is declarative, like ``kubectl apply`` without a resource version: a document is the
 whole desired object (an omitted field takes its default), and the last writer wins.
@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.admin import namespace
+from llmgw.controlplane.admin.adapters import adapter_fields, write_adapter
 from llmgw.controlplane.admin.common import Audit, AuditOf, create, update
 from llmgw.controlplane.admin.deployments import deployment_out, save_deployment_changes
 from llmgw.controlplane.admin.diff import field_changes
@@ -42,6 +43,7 @@ from llmgw.controlplane.admin.profiles import (
     save_profile_changes,
 )
 from llmgw.controlplane.admin.schemas import ErrorBody, ModelCreate
+from llmgw.controlplane.admin.schemas_adapters import AdapterCreate
 from llmgw.controlplane.admin.schemas_deployments import DeploymentCreate
 from llmgw.controlplane.admin.schemas_fleet import (
     ApplyBody,
@@ -53,21 +55,24 @@ from llmgw.controlplane.admin.schemas_fleet import (
 from llmgw.controlplane.admin.schemas_profiles import ProfileCreate
 from llmgw.errors import LlmgwError
 from llmgw.http.errors import printable
+from llmgw.store import adapters as adapter_store
 from llmgw.store import catalog
-from llmgw.store.tables import Deployment, Model, Profile
+from llmgw.store.tables import Adapter, Deployment, Model, Profile
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["apply"])
 
-Kind = Literal["model", "profile", "deployment"]
+Kind = Literal["model", "adapter", "profile", "deployment"]
 _SCHEMAS: dict[str, type[BaseModel]] = {
     "model": ModelCreate,
+    "adapter": AdapterCreate,
     "profile": ProfileCreate,
     "deployment": DeploymentCreate,
 }
-# Dependency order: what a document refers to is written before it.
-_ORDER: tuple[Kind, ...] = ("model", "profile", "deployment")
+# Dependency order: what a document refers to is written before it (an adapter after its
+# model; nothing refers to an adapter).
+_ORDER: tuple[Kind, ...] = ("model", "adapter", "profile", "deployment")
 _Outcome = Literal["created", "configured", "unchanged"]
 # The fields by which a document names objects: its own name and what it refers to.
 _NAMING = ("name", "model", "profile")
@@ -80,7 +85,8 @@ class _Doc:
     # Of the naming fields, those that passed the schema, so a document with a typo
     # elsewhere still has its references checked (and is not written).
     names: dict[str, str]
-    body: Any  # ModelCreate | ProfileCreate | DeploymentCreate; None: not to be written
+    # ModelCreate | AdapterCreate | ProfileCreate | DeploymentCreate; None: not to be written
+    body: Any
     fields: dict[str, Any] = field(default_factory=dict)  # a profile's checked columns
 
 
@@ -143,7 +149,8 @@ def _parse(documents: Sequence[dict[str, Any]], problems: _Problems) -> list[_Do
             hint = f"; did you mean `{nearest[0]}`?" if nearest else ""
             problems.add(
                 i, None, name, "kind",
-                f"kind {kind!r} is not one apply handles; use model, profile or deployment"
+                f"kind {kind!r} is not one apply handles; use model, profile, adapter or "
+                f"deployment"
                 f"{hint}",
             )  # fmt: skip
             continue
@@ -191,25 +198,32 @@ def _parse(documents: Sequence[dict[str, Any]], problems: _Problems) -> list[_Do
 @dataclass
 class _Stored:
     models: dict[str, Model]
+    adapters: dict[str, Adapter]
     profiles: dict[str, tuple[Profile, str]]
     deployments: dict[str, tuple[Deployment, str, str]]
 
 
 async def _read(session: AsyncSession, docs: Sequence[_Doc]) -> _Stored:
     """Every stored object the documents name or refer to, locked in one order (models,
-    profiles, deployments; by name): two applies touching the same objects queue, never
-    deadlock, and nothing read here changes before the writes."""
+    adapters, profiles, deployments; by name): two applies touching the same objects queue,
+    never deadlock, and nothing read here changes before the writes."""
 
     def named(kind: str, key: str) -> set[str]:
         return {d.names[key] for d in docs if d.kind == kind and key in d.names}
 
-    model_names = named("model", "name") | named("profile", "model") | named("deployment", "model")
-    profile_names = named("profile", "name") | named("deployment", "profile")
-    return _Stored(
-        models=await catalog.get_models(session, sorted(model_names)),
-        profiles=await catalog.get_profiles_with_models(session, sorted(profile_names)),
-        deployments=await catalog.get_deployments(session, sorted(named("deployment", "name"))),
+    model_names = (
+        named("model", "name")
+        | named("adapter", "model")
+        | named("profile", "model")
+        | named("deployment", "model")
     )
+    profile_names = named("profile", "name") | named("deployment", "profile")
+    # One statement at a time, in the lock order above.
+    models = await catalog.get_models(session, sorted(model_names))
+    adapters = await adapter_store.get_adapters(session, sorted(named("adapter", "name")))
+    profiles = await catalog.get_profiles_with_models(session, sorted(profile_names))
+    deployments = await catalog.get_deployments(session, sorted(named("deployment", "name")))
+    return _Stored(models=models, adapters=adapters, profiles=profiles, deployments=deployments)
 
 
 async def _check(
@@ -235,7 +249,16 @@ async def _check(
                 f"model {model!r} does not exist and no document of this request "
                 "defines it; add a `kind: model` document for it, or fix the name",
             )  # fmt: skip
-        if d.kind == "profile":
+        if d.kind == "adapter":
+            stored_adapter = None if name is None else stored.adapters.get(name)
+            if stored_adapter is not None and model is not None and stored_adapter.model != model:
+                problems.add(
+                    d.index, d.kind, name, "model",
+                    f"adapter {name!r} is declared on model {stored_adapter.model!r}; an "
+                    "adapter cannot move to another model (it is trained for one): give the "
+                    "new one another name",
+                )  # fmt: skip
+        elif d.kind == "profile":
             existing = None if name is None else stored.profiles.get(name)
             if existing is not None and model is not None and existing[1] != model:
                 problems.add(
@@ -278,6 +301,11 @@ async def _check(
 def _check_names(docs: Sequence[_Doc], names: namespace.Namespace, problems: _Problems) -> None:
     """Models, adapters and served names that would clash once applied (``namespace``)."""
     models = [(d.index, d.body.name) for d in docs if d.kind == "model" and d.body is not None]
+    adapters = [
+        (d.index, d.body.name, d.body.model)
+        for d in docs
+        if d.kind == "adapter" and d.body is not None
+    ]
     profiles = [
         (d.index, named_profile(d.body.name, d.body.model, d.fields["served_model_name"],
                                 d.fields["adapters"]))
@@ -285,7 +313,7 @@ def _check_names(docs: Sequence[_Doc], names: namespace.Namespace, problems: _Pr
         if d.kind == "profile" and d.fields
     ]  # fmt: skip
     kinds = {d.index: d for d in docs}
-    for index, clash in namespace.batch_clashes(names, models, profiles):
+    for index, clash in namespace.batch_clashes(names, models, profiles, adapters):
         problems.add(index, kinds[index].kind, kinds[index].body.name, clash.field, clash.message)
         problems.clashes += 1
 
@@ -314,6 +342,10 @@ async def _diffs(session: AsyncSession, docs: Sequence[_Doc], stored: _Stored) -
             out[d.index] = _Diff(
                 field_changes({"description": model.description}, {"description": b.description})
             )
+        elif d.kind == "adapter" and b.name in stored.adapters:
+            adapter = stored.adapters[b.name]
+            wanted = adapter_fields(b)
+            out[d.index] = _Diff(field_changes({k: getattr(adapter, k) for k in wanted}, wanted))
         elif d.kind == "profile" and b.name in stored.profiles:
             profile = stored.profiles[b.name][0]
             diff = _Diff(
@@ -416,6 +448,11 @@ async def _write(
         for d in (d for d in docs if d.kind == kind):
             if kind == "model":
                 outcome[d.index] = await _write_model(session, audit, d.body, stored)
+            elif kind == "adapter":
+                row, outcome[d.index] = await write_adapter(
+                    session, audit, d.body, stored.adapters.get(d.body.name)
+                )
+                stored.adapters[row.name] = row
             elif kind == "profile":
                 outcome[d.index] = await _write_profile(session, audit, d, stored)
             else:

@@ -51,6 +51,12 @@ _CONSTRAINTS: dict[str, tuple[str, str]] = {
     "fk_profiles_model_id_models": ("model", "the model is still used by profiles"),
     "fk_deployments_profile_id_profiles": ("profile", "the profile is used by a deployment"),
     "fk_deployments_model_id_models": ("model", "the model is used by a deployment"),
+    "pk_adapters": ("name", "an adapter with this name already exists"),
+    # A race with a model's delete: RESTRICT, whichever of the two wrote first.
+    "fk_adapters_model_models": (
+        "model",
+        "the model is used by adapters, or was deleted while the adapter was written",
+    ),
 }
 
 

@@ -41,7 +41,8 @@ async def _get(session: AsyncSession, name: str) -> ModelOut:
 
 @router.post("/models", status_code=201, response_model=ModelOut)
 async def create_model(body: ModelCreate, session: Session, audit: AuditOf) -> ModelOut:
-    clash = namespace.model_clash(body.name, (await namespace.read(session)).profiles)
+    names = await namespace.read(session)
+    clash = namespace.model_clash(body.name, names.profiles, names.adapters)
     if clash is not None:
         raise clash.error()
     row = Model(name=body.name, description=body.description)

@@ -71,6 +71,7 @@ def _view(p: Profile, model_name: str) -> ProfileOut:
         secret_env_keys=sorted(p.secret_env),
         adapters=[AdapterBody(**a) for a in p.adapters],
         kv_events=p.kv_events,
+        adapter_slots=p.adapter_slots,
         threads=p.threads,
         kv_hash_seed=p.kv_hash_seed,
         kv_block_size=p.kv_block_size,
@@ -79,6 +80,7 @@ def _view(p: Profile, model_name: str) -> ProfileOut:
         multinode_backend=p.multinode_backend,
         max_in_flight=p.max_in_flight,
         tokenizer=p.tokenizer,
+        apis=list(p.apis),
         description=p.description,
         fingerprint=p.fingerprint,
         version=p.version,
@@ -163,6 +165,7 @@ def _refuse_clash(
         named_profile(name, model, served_model_name, adapters),
         names.models,
         names.without_profile(name),
+        names.adapters,
     )
     if clash is not None:
         raise clash.error()

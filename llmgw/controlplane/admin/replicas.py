@@ -23,6 +23,7 @@ from llmgw.controlplane.admin.schemas import Page
 from llmgw.controlplane.admin.schemas_fleet import (
     MAX_LOG_TAIL_CHARS,
     ReplicaOut,
+    ShardAdapterOut,
     ShardGpuOut,
     ShardOut,
 )
@@ -31,6 +32,28 @@ from llmgw.store import fleet as fq
 __all__ = ["router"]
 
 router = APIRouter(tags=["replicas"])
+
+
+def _desired_names(raw: object) -> list[str]:
+    # Written by the leader as protocol.RuntimeAdapter objects; anything else is skipped
+    # (a GET must not fail on one odd row).
+    items = raw if isinstance(raw, list) else []
+    return [str(a["name"]) for a in items if isinstance(a, dict) and a.get("name")]
+
+
+def _observed(raw: object) -> list[ShardAdapterOut]:
+    # Written by the agent API from protocol.AdapterObserved, already bounded there.
+    items = raw if isinstance(raw, list) else []
+    return [
+        ShardAdapterOut(
+            name=str(a["name"]),
+            state=str(a.get("state") or ""),
+            reason=str(a.get("reason") or ""),
+            failures=int(a.get("failures") or 0),
+        )
+        for a in items
+        if isinstance(a, dict) and a.get("name")
+    ]
 
 
 def _view(row: fq.ReplicaRow) -> ReplicaOut:
@@ -56,6 +79,8 @@ def _view(row: fq.ReplicaRow) -> ReplicaOut:
             observed_at=s.observed_at,
             started_at=s.started_at,
             exited_at=s.exited_at,
+            desired_adapters=_desired_names(s.desired_adapters),
+            adapters=_observed(s.observed_adapters),
         )
         for s, node, gpus in row.shards
     ]

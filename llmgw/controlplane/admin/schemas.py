@@ -1,7 +1,8 @@
 """Request and response bodies of the admin API (pydantic, at the boundary only): what every
 resource's bodies share (names and bounds, the request and response bases, errors, a page)
-and the models'. Profiles' are in ``schemas_profiles``, deployments' in ``schemas_deployments``,
-the fleet half's (nodes, tokens, replicas, actions, GPU classes, apply) in ``schemas_fleet``.
+and the models'. Profiles' are in ``schemas_profiles``, declared adapters' in
+``schemas_adapters``, deployments' in ``schemas_deployments``, the fleet half's (nodes,
+tokens, replicas, actions, GPU classes, apply) in ``schemas_fleet``.
 
 Every request model forbids unknown fields: a misspelt ``replica`` must be a
 422 naming it, not a silently ignored key and a deployment with the default

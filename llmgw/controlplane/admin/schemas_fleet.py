@@ -139,6 +139,13 @@ class ShardGpuOut(BaseModel):
     mig_uuid: str | None = None
 
 
+class ShardAdapterOut(BaseModel):
+    name: str
+    state: str = Field(description="loading, loaded, failed or unloading, as the agent saw it.")
+    reason: str = Field(description="Why the last load failed (the engine's or the node's words).")
+    failures: int = Field(description="Failed loads in a row.")
+
+
 class ShardOut(_Response):
     id: uuid.UUID
     node: str
@@ -161,6 +168,12 @@ class ShardOut(_Response):
     observed_at: datetime | None
     started_at: datetime | None
     exited_at: datetime | None
+    desired_adapters: list[str] = Field(
+        description="The runtime adapters the leader placed on its engine (rank 0)."
+    )
+    adapters: list[ShardAdapterOut] = Field(
+        description="Its engine's runtime adapters as its agent last reported them (rank 0)."
+    )
 
 
 class ReplicaOut(_Response):
@@ -249,7 +262,7 @@ class GpuClassOut(_Response):
 class ApplyBody(_Request):
     documents: list[dict[str, Any]] = Field(
         max_length=1000,
-        description="Each: `kind: model|profile|deployment` and that kind's create fields.",
+        description="Each: `kind: model|profile|adapter|deployment` and that kind's create fields.",
     )
     dry_run: StrictBool = Field(
         default=False, description="Compute the outcome and what changes, write nothing."

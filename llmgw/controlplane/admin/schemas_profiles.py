@@ -1,6 +1,7 @@
 """Request and response bodies of the admin API's profiles: an engine, its parallelism and
 placement, its command line and environment (secret references write-only), adapters, the KV
-settings and the tokenizer the gateways use. The shared bounds and bases: ``schemas``."""
+settings, the tokenizer the gateways use and the API families they send the model. The shared
+bounds and bases: ``schemas``."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ from llmgw.controlplane.admin.schemas import (
 )
 from llmgw.engines import (
     MAX_HASH_SEED,
+    ApiGroup,
+    apis_problem,
     canonical_engine,
     is_valid_hash_seed,
     tokenizer_problem,
 )
 
 __all__ = [
+    "MAX_ADAPTER_SLOTS",
     "AdapterBody",
+    "AdapterPath",
     "MultinodeBackend",
     "ProfileCreate",
     "ProfileOut",
@@ -81,6 +86,31 @@ _TOKENIZER_DOC = (
     "it is placed, and its agent ships once, when the shard is first ready)."
 )
 
+
+def _apis_ok(value: list[ApiGroup]) -> list[ApiGroup]:
+    problem = apis_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+# A profile's API families: each one of llmgw.engines.API_GROUPS (a value outside them is a 422
+# naming the field and the values it takes), each once (llmgw.engines.apis_problem, which also
+# ends a long list at its first repeat).
+Apis = Annotated[list[ApiGroup], AfterValidator(_apis_ok)]
+_APIS_DOC = (
+    "The API families the model serves, each once: `generate` (completions, chat completions, "
+    "Responses, Anthropic Messages) and `pooling` (embeddings, rerank, score). The gateways "
+    "answer a request of a family no profile serving the model lists with a 404 naming the "
+    "routes it does serve; an adapter serves its base model's. Empty: the engine's default for "
+    "the profile: vLLM serves `pooling` where its args choose the pooling runner (`--runner "
+    "pooling`, or a `--convert` of embed or classify) and `generate` otherwise (vLLM's `--runner "
+    "auto` picks by the model's architecture, which llmgw does not read: list `pooling` for an "
+    "embedding model run without `--runner pooling`); the simulator serves both; every other "
+    "engine `generate`. The engine's command line does not change. Not in the fingerprint: "
+    "editing it rolls nothing, the gateways apply it within seconds."
+)
+
 # How a multi-node vLLM replica is wired (llmgw.engines.MultinodeBackend); the table's CHECK
 # holds the same two values.
 MultinodeBackend = Literal["ray", "native"]
@@ -91,9 +121,30 @@ MultinodeBackend = Literal["ray", "native"]
 _MAX_PARALLEL = 65_536
 
 
+# Where a LoRA adapter comes from, a profile's static one and a declared one (``kind: adapter``)
+# alike: a directory on the nodes or an http(s) source (`...#sha256=<hex>` pins its content).
+# The control plane refuses only what no node could use (empty, past 4096 characters, a NUL);
+# each node's agent decides the rest against its own policy (agent.policy.
+# allowed_adapter_sources, else allowed_model_roots) before it starts anything.
+AdapterPath = Path_
+
+
+# Runtime adapters one engine holds loaded at once, at most: the bound of engines.Profile's
+# field, of the table's CHECK and of a shard's adapters on the agent protocol.
+MAX_ADAPTER_SLOTS = 1024
+_ADAPTER_SLOTS_DOC = (
+    "Runtime LoRA adapters (`kind: adapter` documents) each replica's engine holds loaded at "
+    "once: the leader places at most this many on a replica and its agent loads and unloads "
+    "them in the running engine, by demand. 0: none; the engine serves only `adapters` above. "
+    "Above 0 only for engines that load adapters at runtime (vLLM, SGLang and the "
+    "simulator); the engine's flags it adds are in the fingerprint, so changing it rolls the "
+    "profile's replicas, while the adapters placed never do."
+)
+
+
 class AdapterBody(_Request):
     name: Name
-    path: Path_
+    path: AdapterPath
 
 
 class _ProfileFields(_Request):
@@ -130,8 +181,22 @@ class _ProfileFields(_Request):
         description="LoRA adapters, in order.",
     )
     kv_events: StrictBool = False
+    adapter_slots: StrictInt = Field(
+        default=0, ge=0, le=MAX_ADAPTER_SLOTS, description=_ADAPTER_SLOTS_DOC
+    )
     threads: StrictInt = Field(
-        default=0, ge=0, le=_MAX_PARALLEL, description="CPU threads of a CPU-only shard."
+        default=0,
+        ge=0,
+        le=_MAX_PARALLEL,
+        description="CPU threads of a CPU-only shard (gpu_class `cpu`), reserved on its node by "
+        "placement; 0: one. llama.cpp: its --threads. vLLM (a CPU build): its OpenMP threads, "
+        "each bound to one of as many cores the node's agent picks for the shard and keeps for "
+        "its life (VLLM_CPU_OMP_THREADS_BIND, OMP_NUM_THREADS). A vLLM CPU profile sizes its "
+        "KV cache with the env VLLM_CPU_KVCACHE_SPACE (whole GiB; 1 when unset), needs a KV "
+        "block size that is a multiple of 32 (kv_block_size with kv_events, else any "
+        "--block-size), refuses --enable-sleep-mode (CUDA-only: the autoscaler stops an idle "
+        "CPU replica instead of suspending it), and its model's attention heads need 32 "
+        "dimensions or more (checked by the agent from config.json).",
     )
     kv_hash_seed: str | None = Field(
         default=None,
@@ -156,6 +221,7 @@ class _ProfileFields(_Request):
         "it rolls nothing, the gateways apply it within seconds.",
     )
     tokenizer: Tokenizer = Field(default="", description=_TOKENIZER_DOC)
+    apis: Apis = Field(default_factory=list, description=_APIS_DOC)
     description: Description = ""
 
     @field_validator("kv_hash_seed")
@@ -195,6 +261,7 @@ class ProfileUpdate(_Request):
     )
     adapters: list[AdapterBody] | None = Field(default=None, max_length=LIMITS["adapters_items"])
     kv_events: StrictBool | None = None
+    adapter_slots: StrictInt | None = Field(default=None, ge=0, le=MAX_ADAPTER_SLOTS)
     threads: StrictInt | None = Field(default=None, ge=0, le=_MAX_PARALLEL)
     kv_hash_seed: str | None = None
     kv_block_size: StrictInt | None = Field(default=None, ge=1, le=4096)
@@ -203,6 +270,7 @@ class ProfileUpdate(_Request):
     multinode_backend: MultinodeBackend | None = None
     max_in_flight: StrictInt | None = Field(default=None, ge=0, le=1_000_000)
     tokenizer: Tokenizer | None = None
+    apis: Apis | None = None
     description: Description | None = None
 
     _seed_ok = field_validator("kv_hash_seed")(_ProfileFields._seed_ok.__func__)  # type: ignore[attr-defined]
@@ -224,6 +292,7 @@ class ProfileOut(_Response):
     secret_env_keys: list[str] = Field(description="Names only: secret references are write-only.")
     adapters: list[AdapterBody]
     kv_events: bool
+    adapter_slots: int
     threads: int
     kv_hash_seed: str
     kv_block_size: int
@@ -232,6 +301,9 @@ class ProfileOut(_Response):
     multinode_backend: str
     max_in_flight: int
     tokenizer: str
+    apis: list[str] = Field(
+        description="As stored; empty: the engine's default (see the create body's `apis`)."
+    )
     description: str
     fingerprint: str
     version: int

@@ -27,6 +27,11 @@ Rules, each with the failure it prevents:
   an explicit ``desired_state=stopped`` the reconciler wrote (a deletion, a scale-down, a
   rollout), not a shard missing from a truncated set or a restored database, which the
   agent's "never stop more than half" valve exists for.
+- **Runtime adapters.** A rank-0 shard's desired set carries the adapters the leader placed on
+  its engine (``shards.desired_adapters``), beside its spec and never in it: the leader bumps
+  the node's desired_version with them, so the agent gets them through the ETag like any
+  change, while the spec's digest (what restarts an engine) stays the same. The adapters an
+  agent reports are stored only where they changed (``apply_observed_adapters``).
 - **Pending nodes** get ``approval_state=pending`` and no shards (None, not an empty set: an
   agent keeps what it runs). Their inventory is stored, so an admin can see what to approve.
 
@@ -54,7 +59,13 @@ from llmgw.controlplane.agentapi.placed import PlacedCache
 from llmgw.controlplane.instances import InstanceHeartbeat
 from llmgw.errors import AuthError
 from llmgw.logs import get_logger
-from llmgw.protocol.sync import DesiredShard, ShardBinding, SyncRequest, SyncResponse
+from llmgw.protocol.sync import (
+    DesiredShard,
+    RuntimeAdapter,
+    ShardBinding,
+    SyncRequest,
+    SyncResponse,
+)
 from llmgw.store.agent_nodes import (
     SyncNode,
     bump_desired_version,
@@ -66,6 +77,7 @@ from llmgw.store.agent_shards import (
     DesiredShardRow,
     PlacedRow,
     apply_bindings,
+    apply_observed_adapters,
     kv_capacity_blocks,
     read_desired_shards,
     read_live_shard_ids,
@@ -142,7 +154,20 @@ def desired_shard(row: DesiredShardRow) -> DesiredShard:
         spec=spec,
         engine_api_key=row.engine_api_key,
         model=row.model,
+        adapters=_runtime_adapters(row),
     )
+
+
+def _runtime_adapters(row: DesiredShardRow) -> tuple[RuntimeAdapter, ...]:
+    """The stored desired adapters as the wire's; an entry that is not one (written by a
+    newer leader, say) is left out rather than failing the node's whole sync."""
+    out = []
+    for item in row.adapters:
+        try:
+            out.append(RuntimeAdapter.model_validate(item))
+        except ValueError:
+            log.warning("desired_adapter_unreadable", shard=str(row.id))
+    return tuple(out)
 
 
 def placed_row(node_id: uuid.UUID, row: DesiredShardRow) -> PlacedRow:
@@ -412,6 +437,7 @@ class SyncHandler:
                     pairs[sid] = b
             written = await apply_bindings(session, node.id, pairs.items())
             foreign += len(pairs) - len(written)
+            await apply_observed_adapters(session, node.id, ((s, pairs[s]) for s in written))
             running = [s for s in written if pairs[s].observed_state not in GONE_STATES]
             # Only an agent that has applied the current set has seen these shards desired
             # stopped: one still on an older set may report a crashed engine as `exited`

@@ -1,5 +1,6 @@
 """What the console's pages (and `llmgw status`) show, computed from the admin API's JSON: the
-rollout in words, GPUs per class, what needs attention first, the prefix hit rate per model.
+rollout in words, GPUs per class, what needs attention first, the prefix hit rate per model,
+and where each declared adapter stands (desired, placed and loaded replicas, failed loads).
 
 Shared with `llmgw status` so the two screens never disagree about what "stalled" or "complete"
 means. What it must NOT do: I/O, read clocks (``now`` is passed) or format HTML.
@@ -7,14 +8,19 @@ means. What it must NOT do: I/O, read clocks (``now`` is passed) or format HTML.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 __all__ = [
+    "ADAPTER_HOLDINGS_SHOWN",
     "STALE_SYNC_S",
+    "AdapterHolding",
+    "AdapterRow",
     "Attention",
+    "adapter_failure_text",
+    "adapter_rows",
     "attention",
     "gpus_per_class",
     "last_log_line",
@@ -34,6 +40,15 @@ _DECISIONS = "llmgw_prefix_decisions"
 # A shard restarted this often is shown as crash-looping even before the reconciler says so.
 _CRASH_LOOP_RESTARTS = 3
 _FAILING_STATES = frozenset({"failed", "unhealthy", "exited"})
+# Replicas listed per adapter (failing ones first): with a page's other parts this keeps its
+# HTML small however many replicas hold an adapter; the rest is counted, not shown.
+ADAPTER_HOLDINGS_SHOWN = 8
+# Failed loads one adapter's "needs attention" line names; the rest are counted.
+_FAILURES_LISTED = 3
+# An engine's (or a node policy's) answer to a load, as the console shows it at most.
+_REASON_CHARS = 200
+# The order a row lists its replicas in: what needs a look first.
+_HOLDING_ORDER = {"failed": 0, "loading": 1, "unloading": 2, "loaded": 3}
 
 
 def prefix_hit_rates(metrics_text: str) -> dict[str, dict[str, Any]]:
@@ -120,10 +135,12 @@ def attention(
     now: datetime,
     stale_sync_s: float,
     kv_not_whole: Mapping[str, str] | None = None,
+    adapters: Sequence[AdapterRow] = (),
 ) -> list[Attention]:
-    """Failing or crash-looping shards with their reason, stalled rollouts, nodes that stopped
-    syncing, shards whose KV view this instance holds only in part (``kv_not_whole``: shard
-    id -> "partial" or "incomplete") and nodes waiting for approval, most urgent first."""
+    """Failing or crash-looping shards with their reason, stalled rollouts, adapters whose
+    loads fail (one line each, ``adapters``: ``adapter_rows``), nodes that stopped syncing,
+    shards whose KV view this instance holds only in part (``kv_not_whole``: shard id ->
+    "partial" or "incomplete") and nodes waiting for approval, most urgent first."""
     out: list[Attention] = []
     kv_not_whole = kv_not_whole or {}
     for rep in replicas:
@@ -159,6 +176,13 @@ def attention(
         st = d.get("status") or {}
         if st.get("stalled"):
             out.append(Attention(2, "rollout stalled", str(d.get("name")), str(st.get("reason"))))
+    for a in adapters:
+        if a.failing:
+            shown = [h for h in a.holdings if h.state == "failed"][:_FAILURES_LISTED]
+            reason = "; ".join(adapter_failure_text(h.node, h.failures, h.reason) for h in shown)
+            if a.failing > len(shown):
+                reason += f"; and {a.failing - len(shown)} more"
+            out.append(Attention(2, "adapter load failing", a.name, reason))
     for n in nodes:
         if n.get("approval_state") == "pending":
             out.append(
@@ -213,6 +237,137 @@ def last_log_line(log_tail: str) -> str:
         if text:
             return text[:200]
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterHolding:
+    """One replica an adapter is desired on or loaded in, and how that stands: ``loaded``
+    (desired, and its agent reports it loaded), ``loading`` (desired, not reported loaded
+    yet), ``failed`` (its agent reports the last load failed: ``reason``, ``failures`` in a
+    row) or ``unloading`` (loaded, no longer desired there)."""
+
+    replica: str
+    node: str
+    state: str
+    reason: str = ""
+    failures: int = 0
+
+    @property
+    def short(self) -> str:
+        return self.replica[:8]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRow:
+    """A declared adapter as the console shows it. ``desired`` is the leader's count (None:
+    not placed yet), ``placed`` the replicas told to hold it, ``loaded`` those whose agent
+    reports it loaded (the three figures of `llmgw status`); ``holdings`` the first
+    ``ADAPTER_HOLDINGS_SHOWN`` replicas by urgency, ``more_holdings`` the rest's count;
+    ``why`` why it is short (the leader's words), or "not placed yet"."""
+
+    name: str
+    model: str
+    min_replicas: int | None
+    max_replicas: int | None
+    pinned: bool
+    desired: int | None
+    placed: int
+    loaded: int
+    failing: int
+    holdings: tuple[AdapterHolding, ...]
+    more_holdings: int
+    why: str
+
+    @property
+    def bounds(self) -> str:
+        """``min..max``, "–" for a bound left at its default."""
+        lo = "–" if self.min_replicas is None else str(self.min_replicas)
+        hi = "–" if self.max_replicas is None else str(self.max_replicas)
+        return f"{lo}..{hi}"
+
+
+def adapter_failure_text(node: Any, failures: Any, reason: Any) -> str:
+    """A failed load in `llmgw status`'s words: "load failed on NODE (Nx): REASON"."""
+    return f"load failed on {node} ({failures}x): {reason}"
+
+
+def _short_reason(text: Any) -> str:
+    s = "" if text is None else str(text)
+    return s if len(s) <= _REASON_CHARS else s[: _REASON_CHARS - 1] + "…"
+
+
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _holders(value: Any) -> list[dict[str, Any]]:
+    return [h for h in value or [] if isinstance(h, dict) and h.get("replica")]
+
+
+def _holdings(st: dict[str, Any]) -> list[AdapterHolding]:
+    """Every replica an adapter's status names, once, with how it stands there: failed
+    wherever its agent says so (desired there or not: the agent still reports it), else
+    loaded, loading (desired, not loaded yet) or unloading (loaded, not desired there)."""
+    placed = _holders(st.get("replicas"))
+    loaded = {str(h["replica"]): h for h in _holders(st.get("loaded"))}
+    failed = {str(f["replica"]): f for f in _holders(st.get("failures"))}
+    placed_ids = {str(h["replica"]) for h in placed}
+    out: list[AdapterHolding] = []
+    seen: set[str] = set()
+    for h in [*placed, *loaded.values(), *failed.values()]:
+        rid = str(h["replica"])
+        if rid in seen:
+            continue
+        seen.add(rid)
+        if rid in failed:
+            f = failed[rid]
+            out.append(
+                AdapterHolding(
+                    rid, str(f.get("node") or h.get("node") or ""), "failed",
+                    _short_reason(f.get("reason")), _int_or_none(f.get("failures")) or 0,
+                )
+            )  # fmt: skip
+            continue
+        if rid in placed_ids:
+            holding = AdapterHolding(
+                rid, str(h.get("node") or ""), "loaded" if rid in loaded else "loading"
+            )
+        else:
+            holding = AdapterHolding(rid, str(h.get("node") or ""), "unloading")
+        out.append(holding)
+    # Stable: within a state, the API's order (by replica id).
+    return sorted(out, key=lambda h: _HOLDING_ORDER[h.state])
+
+
+def adapter_rows(items: list[dict[str, Any]]) -> list[AdapterRow]:
+    """Each declared adapter from its admin API item (``GET /admin/v1/adapters``: the
+    declaration and its read-only ``status``), in the API's order."""
+    out: list[AdapterRow] = []
+    for a in items:
+        raw = a.get("status")
+        st: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        holdings = _holdings(st)
+        desired = _int_or_none(st.get("desired_replicas"))
+        why = str(st.get("unplaced") or "")
+        if desired is None and not why:
+            why = "not placed yet"
+        out.append(
+            AdapterRow(
+                name=str(a.get("name") or ""),
+                model=str(a.get("model") or ""),
+                min_replicas=_int_or_none(a.get("min_replicas")),
+                max_replicas=_int_or_none(a.get("max_replicas")),
+                pinned=bool(a.get("pinned")),
+                desired=desired,
+                placed=len(_holders(st.get("replicas"))),
+                loaded=len(_holders(st.get("loaded"))),
+                failing=len(_holders(st.get("failures"))),
+                holdings=tuple(holdings[:ADAPTER_HOLDINGS_SHOWN]),
+                more_holdings=max(len(holdings) - ADAPTER_HOLDINGS_SHOWN, 0),
+                why=why,
+            )
+        )
+    return out
 
 
 def _parse(ts: Any) -> datetime | None:

@@ -172,18 +172,42 @@ def _routes(router: APIRouter, c: Console) -> None:
         r.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
         return r
 
+    # --- declared adapters: a section of the overview and of a deployment's page ----------
+
+    async def adapters(model: str | None = None) -> tuple[list[fleet_view.AdapterRow], bool]:
+        """The declared adapters (of ``model`` only, when given) from the admin API's first
+        page, and whether more are declared than that page holds."""
+        reply = await c.calls.get("/admin/v1/adapters", limit=PAGE_LIMIT)
+        items = [a for a in reply.get("items") or [] if model is None or a.get("model") == model]
+        return fleet_view.adapter_rows(items), bool(reply.get("next_cursor"))
+
+    def adapters_shown(
+        rows: list[fleet_view.AdapterRow], paged: bool, model: str | None = None
+    ) -> dict[str, Any]:
+        """What adapters_table.html renders: at most ``_MAX_ROWS`` rows, the rest counted."""
+        return {
+            "adapters": rows[:_MAX_ROWS],
+            "more_adapters": max(len(rows) - _MAX_ROWS, 0),
+            "adapters_paged": paged,
+            "adapters_model": model,
+            "adapters_limit": PAGE_LIMIT,
+        }
+
     # --- overview ------------------------------------------------------------------------
 
     async def overview_context() -> dict[str, Any]:
         nodes = await c.calls.items("nodes")
         deployments = await c.calls.items("deployments")
         replicas = await c.calls.items("replicas")
+        adapter_rows, paged = await adapters()
         now = _now()
         attention = fleet_view.attention(
             nodes, deployments, replicas, now=now, stale_sync_s=fleet_view.STALE_SYNC_S,
             kv_not_whole=c.kv.not_whole() if c.kv is not None else None,
+            adapters=adapter_rows,
         )  # fmt: skip
         return {
+            **adapters_shown(adapter_rows, paged),
             "nodes": [{**n, "gpu_classes": fleet_view.gpus_per_class(n)} for n in nodes],
             "deployments": [
                 {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)}
@@ -278,7 +302,9 @@ def _routes(router: APIRouter, c: Console) -> None:
             profile = await c.calls.get(f"/admin/v1/profiles/{quote(d['profile'], safe='')}")
         except AdminCallError:
             profile = None  # deleted under it: the page still shows the replicas
+        model = str(d.get("model") or "")
         return {
+            **adapters_shown(*await adapters(model), model),
             "profile": profile,
             "on_profile": sum(1 for r in mine if not r.get("stale")),
             "d": {**d, "rollout": fleet_view.rollout_text(d), "suspended": fleet_view.suspended(d)},

@@ -5,20 +5,30 @@ Every control plane runs one; only the leader (``leader.py``) passes. A pass is:
     async with session.begin():
         await check_epoch(session, epoch)         # fenced: a stale leader writes nothing
         state = await load_snapshot(session, ...) # a constant number of queries
-        history.record(now, await read_demand(session, ...))   # one more, autoscaling
+        adapters = await read_declared_adapters(session)       # one more
+        demand = await read_demand(session, ...)  # one more, with autoscaling or adapters
+        history.record(now, demand)
         snap, decisions = scale_snapshot(state.snapshot, history=history, ...)  # pure
         plan = compute_plan(snap, now)            # pure
+        placement = adapter_pass(state.snapshot, demand, states=self._adapter_states)  # pure
         await apply_plan(session, plan, state, epoch=epoch)
         await apply_scale(session, decisions, state, epoch=epoch)
+        await apply_adapters(session, placement, adapters, state, epoch=epoch)
 
 Passes come every ``tick_s`` (the loop's own timed wait: the tick is one coroutine's sleep,
 so it needs no scheduler and no thread) and early on a NOTIFY on the
 channel admin writes signal and on the one a gateway holding a request for a model with no
 ready replica signals (a subscription to the process's ``store.notify.NotifyHub``). A
 notification is only a hint: lost or repeated ones do no harm, because each pass re-reads
-everything (level-triggered).
+everything (level-triggered). A gateway holding a request for a runtime adapter no replica
+holds signals the same demand channel, and every pass places adapters whatever else it has
+to do, so the held request's load is decided by the pass it wakes (its demand is "held").
 A failing pass is retried on the next tick with a growing pause, never in a hot loop, and
 logged with its traceback.
+
+The adapter placement's hysteresis states (``plan_adapters``' windows) live in this process
+only, between the passes of one lead: a new leader starts from what the replicas hold, as the
+placement is built to, and a failed pass leaves the states of the last one that committed.
 
 This module must NOT compute anything about the fleet; that is the plan's job.
 """
@@ -37,10 +47,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from llmgw.controlplane.reconcile.leader import FencedError, LeaderLock, check_epoch
-from llmgw.controlplane.reconcile.read import load_snapshot
-from llmgw.controlplane.reconcile.write import apply_plan, apply_scale
+from llmgw.controlplane.reconcile.read import LoadedState, load_snapshot
+from llmgw.controlplane.reconcile.write import apply_adapters, apply_plan, apply_scale
 from llmgw.logs import get_logger
 from llmgw.periodic import backoff_delay
+from llmgw.planner.adapter_pass import AdapterPass, DeclaredAdapter, adapter_demand, adapter_pass
+from llmgw.planner.adapter_placement import (
+    AdapterDemand,
+    AdapterPlacementConfig,
+    AdapterSpec,
+    AdapterState,
+)
 from llmgw.planner.autoscale import Decision
 from llmgw.planner.plan import compute_plan
 from llmgw.planner.scaling import DemandHistory, ModelSignal, scale_snapshot
@@ -48,6 +65,7 @@ from llmgw.planner.snapshot import DeploymentId, PlanSettings
 from llmgw.store.catalog import CHANGE_CHANNEL
 from llmgw.store.demand import DEMAND_CHANNEL, ModelDemand, read_demand
 from llmgw.store.notify import NotifyHub, Subscription
+from llmgw.store.runtime_adapters import DeclaredAdapterRow, read_declared_adapters
 
 __all__ = ["ReconcileMetrics", "Reconciler"]
 
@@ -144,9 +162,11 @@ class Reconciler:
         metrics: ReconcileMetrics | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         notify: NotifyHub | None = None,
+        adapter_config: AdapterPlacementConfig | None = None,
     ) -> None:
         """``notify``: the process's hub; None (a test, a bench): one of its own on
-        ``libpq_url``, run while ``run`` runs."""
+        ``libpq_url``, run while ``run`` runs. ``adapter_config``: the adapter placement's
+        targets and windows; None: its defaults."""
         self._sessions = sessions
         self._settings = plan_settings
         self._tick_s = tick_s
@@ -168,6 +188,9 @@ class Reconciler:
         self.passes_applied = 0
         # Only the leader's passes record; emptied when the lead is lost (a gap it cannot see).
         self._history = DemandHistory()
+        self._adapter_config = adapter_config or AdapterPlacementConfig()
+        # plan_adapters' states after the last committed pass; emptied with the history.
+        self._adapter_states: dict[str, AdapterState] = {}
 
     @property
     def epoch(self) -> int | None:
@@ -235,6 +258,7 @@ class Reconciler:
         if epoch is None or not await self._lock.still_held():
             self._observing_since = None
             self._history.clear()
+            self._adapter_states = {}
             epoch = await self._lock.try_acquire()
         self._metrics.leader.set(1 if epoch is not None else 0)
         if epoch is None:
@@ -266,9 +290,14 @@ class Reconciler:
                     session, settings=settings, now=now, observing_since=self._observing_since
                 )
                 snap = state.snapshot
+                declared = await read_declared_adapters(session)
+                demand = (
+                    await read_demand(session, fresh_s=_DEMAND_FRESH_S)
+                    if state.scale or declared
+                    else []
+                )
                 decisions: dict[DeploymentId, Decision] = {}
                 if state.scale:
-                    demand = await read_demand(session, fresh_s=_DEMAND_FRESH_S)
                     self._history.record(now, set(state.served.values()), _signals(demand))
                     snap, decisions = scale_snapshot(
                         state.snapshot,
@@ -279,10 +308,16 @@ class Reconciler:
                         now=now,
                     )
                 plan = compute_plan(snap, now)
+                placement = self._place_adapters(state, declared, demand, now)
             if plan:
                 await apply_plan(session, plan, state, epoch=epoch)
             if decisions:
                 await apply_scale(session, decisions, state, epoch=epoch)
+            if placement is not None:
+                await apply_adapters(session, placement, declared, state, epoch=epoch)
+        if placement is not None:
+            # Committed: what the next pass's windows start from.
+            self._adapter_states = dict(placement.states)
         names = {d.id: d.name for d in snap.deployments}
         for dep_id, dec in decisions.items():
             name = names.get(dep_id, "")
@@ -297,6 +332,10 @@ class Reconciler:
                 log.info("autoscaled", deployment=name, desired=dec.desired, warm=dec.warm,
                          reason=dec.reason)  # fmt: skip
         counts = plan.counts()
+        if placement is not None and placement.changes:
+            adapter_counts = placement.counts()
+            counts = {**counts, **adapter_counts}
+            log.info("adapters_placed", epoch=epoch, **adapter_counts)
         self._metrics.passes.inc()
         self._metrics.duration.observe(time.perf_counter() - start)
         for kind, n in counts.items():
@@ -307,6 +346,40 @@ class Reconciler:
         for deployment, why in state.broken.items():
             log.warning("profile_unlaunchable", deployment=deployment, reason=why)
         return counts
+
+    def _place_adapters(
+        self,
+        state: LoadedState,
+        declared: list[DeclaredAdapterRow],
+        demand: list[ModelDemand],
+        now: datetime,
+    ) -> AdapterPass | None:
+        """This pass's adapter placement; None when no adapter is declared and no shard is told
+        to hold one (nothing to place or undo)."""
+        if not declared and not any(h.desired for h in state.adapter_holders.values()):
+            return None
+        names = [a.name for a in declared]
+        return adapter_pass(
+            state.snapshot,
+            adapters=[
+                DeclaredAdapter(
+                    AdapterSpec(a.name, a.model, a.min_replicas, a.max_replicas, a.pinned), a.path
+                )
+                for a in declared
+            ],
+            holders=state.adapter_holders,
+            served=state.adapter_served,
+            demand=adapter_demand(
+                names,
+                _adapter_signals(demand, set(names)),
+                # Only "none" or "some" matters: an unreported adapter is idle when some
+                # gateway reports at all, unknown when none does.
+                fresh_gateways=max((r.gateways for r in demand), default=0),
+            ),
+            states=self._adapter_states,
+            now=now.timestamp(),
+            config=self._adapter_config,
+        )
 
 
 def _signals(rows: list[ModelDemand]) -> dict[str, ModelSignal]:
@@ -322,4 +395,20 @@ def _signals(rows: list[ModelDemand]) -> dict[str, ModelSignal]:
             held=r.held,
         )
         for r in rows
+    }
+
+
+def _adapter_signals(rows: list[ModelDemand], names: set[str]) -> dict[str, AdapterDemand]:
+    """The gateways' rows under the adapters' names as the placement's demand (an adapter's
+    own row: its base model's counts its requests too, and is not added in). Waiting is what
+    the gateways queue (held included) plus what the engines report waiting."""
+    return {
+        r.model: AdapterDemand(
+            gateways=r.gateways,
+            requests_per_s=r.requests_per_s,
+            in_flight=r.in_flight,
+            waiting=r.queued + r.engine_waiting,
+        )
+        for r in rows
+        if r.model in names
     }

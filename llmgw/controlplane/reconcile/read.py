@@ -30,6 +30,7 @@ from llmgw.controlplane.profile_checks import SPEC_FIELDS, engine_profile
 from llmgw.controlplane.reconcile.inventories import InventoryMemo, Placeable
 from llmgw.engines import Profile as EngineProfile
 from llmgw.planner import intake
+from llmgw.planner.adapter_pass import Holder, Served, parse_desired, parse_observed
 from llmgw.planner.autoscale import AutoscalePolicy, ScaleState
 from llmgw.planner.intake import Device
 from llmgw.planner.snapshot import (
@@ -37,7 +38,6 @@ from llmgw.planner.snapshot import (
     DeploymentView,
     NodeId,
     NodeView,
-    PlacementRequirements,
     PlanSettings,
     ProfileView,
     ReplicaId,
@@ -94,6 +94,10 @@ class LoadedState:
     scale: Mapping[DeploymentId, ScaleState] = field(default_factory=dict)
     # Those of them whose decision row exists (the others get one on the next pass).
     scale_stored: frozenset[DeploymentId] = frozenset()
+    # Every deployment's model and profile as the adapter placement reads them.
+    adapter_served: Mapping[DeploymentId, Served] = field(default_factory=dict)
+    # Rank-0 shards not released -> what they hold of runtime adapters and may.
+    adapter_holders: Mapping[ShardId, Holder] = field(default_factory=dict)
 
 
 async def load_snapshot(
@@ -111,7 +115,8 @@ async def load_snapshot(
     deployments = await _deployments(session)
     nodes = await _nodes(session, observing_since)
     replica_rows = await _replica_rows(session)
-    shards_of = await _shards(session, nodes.facts)
+    holders: dict[ShardId, Holder] = {}
+    shards_of = await _shards(session, nodes.facts, holders)
     gpu_classes = await _gpu_classes(session)
     replicas = tuple(_replica_view(r, shards_of.get(r.id, ())) for r in replica_rows)
     snapshot = Snapshot(
@@ -134,6 +139,8 @@ async def load_snapshot(
         served=deployments.served,
         scale=deployments.scale,
         scale_stored=frozenset(deployments.stored),
+        adapter_served=deployments.adapter_served,
+        adapter_holders=holders,
     )
 
 
@@ -165,6 +172,7 @@ class _Deployments:
     served: dict[DeploymentId, str] = field(default_factory=dict)
     scale: dict[DeploymentId, ScaleState] = field(default_factory=dict)
     stored: set[DeploymentId] = field(default_factory=set)
+    adapter_served: dict[DeploymentId, Served] = field(default_factory=dict)
 
 
 async def _deployments(session: AsyncSession) -> _Deployments:
@@ -212,7 +220,7 @@ async def _deployments(session: AsyncSession) -> _Deployments:
             )
         if launch.refusal:
             out.unlaunchable[dep_id] = launch.refusal
-        view = _deployment_view(dep_id, row, launch.requirements)
+        view = _deployment_view(dep_id, row, launch)
         if row.autoscale is not None:
             scale = _scale_state(row)
             view = replace(
@@ -227,6 +235,11 @@ async def _deployments(session: AsyncSession) -> _Deployments:
             out.served[dep_id] = row.profile_served_model_name or row.model_name
         out.views.append(view)
         out.launch[dep_id] = (row.name, launch.profile)
+        out.adapter_served[dep_id] = Served(
+            model=row.model_name,
+            profile=row.profile_name,
+            adapter_slots=0 if launch.profile is None else launch.profile.adapter_slots,
+        )
     return out
 
 
@@ -254,9 +267,7 @@ def _engine_profile(row: Any, model_name: str) -> EngineProfile:
     return engine_profile(row.profile_name, fields, model=model_name)
 
 
-def _deployment_view(
-    dep_id: DeploymentId, row: Any, requirements: PlacementRequirements
-) -> DeploymentView:
+def _deployment_view(dep_id: DeploymentId, row: Any, launch: intake.Launch) -> DeploymentView:
     return DeploymentView(
         id=dep_id,
         name=row.name,
@@ -264,7 +275,8 @@ def _deployment_view(
             name=row.profile_name,
             engine=row.profile_engine,
             fingerprint=row.profile_fingerprint,
-            requirements=requirements,
+            requirements=launch.requirements,
+            suspend_refusal=launch.suspend_refusal,
         ),
         replicas=row.replicas,
         pool=row.pool,
@@ -368,12 +380,14 @@ async def _replica_rows(session: AsyncSession) -> Sequence[Any]:
 
 
 async def _shards(
-    session: AsyncSession, facts: Mapping[NodeId, NodeFacts]
+    session: AsyncSession, facts: Mapping[NodeId, NodeFacts], holders: dict[ShardId, Holder]
 ) -> dict[str, list[ShardView]]:
     """Every shard as a view, by replica id, in rank order: one statement, the GPUs each
     holds aggregated beside it in order of position (not a row per GPU, ~7 per shard).
     Only the columns the view needs: the launch spec is the complete ShardSpec, of which
-    the planner reads one number."""
+    the planner reads one number, and the adapter placement another (the slots its engine
+    was launched with). Live rank-0 shards' runtime adapters go into ``holders``, read as
+    text: nearly all are '[]', which is not worth a JSON parse per shard per pass."""
     gpus = (
         select(
             GpuAssignment.shard_id,
@@ -399,6 +413,9 @@ async def _shards(
                 Shard.fabric,
                 Shard.leader_port,
                 Shard.launch_spec["threads"].label("threads"),
+                Shard.launch_spec["profile"]["adapter_slots"].label("adapter_slots"),
+                cast(Shard.desired_adapters, Text).label("desired_adapters"),
+                cast(Shard.observed_adapters, Text).label("observed_adapters"),
                 Shard.desired_state,
                 Shard.released,
                 Shard.observed_state,
@@ -416,6 +433,12 @@ async def _shards(
         node_id = NodeId(s.node_id)
         placement_index = facts[node_id].placement_index if node_id in facts else {}
         shards_of.setdefault(s.replica_id, []).append(_shard_view(s, node_id, placement_index))
+        if s.rank == 0 and not s.released:
+            holders[ShardId(s.id)] = Holder(
+                slots=s.adapter_slots if isinstance(s.adapter_slots, int) else 0,
+                desired=parse_desired(s.desired_adapters),
+                observed=parse_observed(s.observed_adapters),
+            )
     return shards_of
 
 

@@ -7,7 +7,9 @@ would never reach the node. Launch specs are built here from the stored profile,
 placement and the nodes' reported addresses; the GPUs themselves are written only as
 ``gpu_assignments`` rows (the one record of who holds which GPU), and the agent API adds them
 to the spec it serves. Every action but a status update lands in ``reconcile_actions``, the
-answer to "why did my replica restart?".
+answer to "why did my replica restart?". The adapter placement's writes (``apply_adapters``)
+follow the same rules: a rank-0 shard's new ``desired_adapters`` bumps its node's
+desired_version in the same statement, and each load, unload and count change is recorded.
 
 This module must NOT decide anything: what to do is the plan's; how it is stored is here.
 """
@@ -36,8 +38,14 @@ from llmgw.planner.actions import (
     StopReplica,
     UpdateRolloutStatus,
 )
+from llmgw.planner.adapter_pass import AdapterPass, action_name
 from llmgw.planner.autoscale import Decision
 from llmgw.planner.snapshot import DeploymentId, NodeId, ReplicaId
+from llmgw.store.runtime_adapters import (
+    DeclaredAdapterRow,
+    write_adapter_status,
+    write_desired_adapters,
+)
 from llmgw.store.tables import (
     Deployment,
     DeploymentAutoscale,
@@ -49,7 +57,7 @@ from llmgw.store.tables import (
     Shard,
 )
 
-__all__ = ["ACTION_LOG_KEEP", "apply_plan", "apply_scale"]
+__all__ = ["ACTION_LOG_KEEP", "apply_adapters", "apply_plan", "apply_scale"]
 
 # The action record keeps this many newest rows: enough to answer "why" for days of a busy
 # fleet, bounded so a crash-looping fleet cannot grow the table without end.
@@ -92,6 +100,11 @@ async def apply_plan(session: AsyncSession, plan: Plan, state: LoadedState, *, e
             .where(Node.id.in_(sorted(touched)))
             .values(desired_version=Node.desired_version + 1)
         )
+    await _record_actions(session, records)
+
+
+async def _record_actions(session: AsyncSession, records: list[dict[str, Any]]) -> None:
+    """Insert action rows and trim the record to its newest ``ACTION_LOG_KEEP``."""
     if records:
         await session.execute(insert(ReconcileAction), records)
         await session.execute(
@@ -352,3 +365,55 @@ async def apply_scale(
     if records:
         await session.execute(insert(ReconcileAction), records)
     return len(records)
+
+
+async def apply_adapters(
+    session: AsyncSession,
+    placement: AdapterPass,
+    declared: Iterable[DeclaredAdapterRow],
+    state: LoadedState,
+    *,
+    epoch: int,
+) -> list[uuid.UUID]:
+    """Write the adapter placement in the caller's fenced transaction: rank-0 shards' new
+    desired adapters (their nodes' desired_version bumped in the same statement), the
+    statuses that differ from the stored ones (``declared`` as read this pass), and a
+    ``reconcile_actions`` row per change. Returns the nodes whose set changed."""
+    nodes = await write_desired_adapters(
+        session,
+        [
+            (
+                uuid.UUID(w.shard_id),
+                [{"name": a.name, "path": a.path, "pinned": a.pinned} for a in w.adapters],
+            )
+            for w in placement.writes
+        ],
+    )
+    stored = {a.name: (a.desired_replicas, a.unplaced) for a in declared}
+    await write_adapter_status(
+        session,
+        [
+            (name, st.desired_replicas, st.unplaced)
+            for name, st in placement.status.items()
+            if stored.get(name) != (st.desired_replicas, st.unplaced)
+        ],
+    )
+    leader_node = {
+        r.id: s.node_id for r in state.snapshot.replicas for s in r.shards if s.rank == 0
+    }
+    records = []
+    for c in placement.changes:
+        rid = c.replica_id
+        node = state.nodes.get(leader_node[rid]) if rid in leader_node else None
+        records.append(
+            {
+                "epoch": epoch,
+                "action": action_name(c),
+                "deployment": "" if rid is None else state.replica_deployment.get(rid, ""),
+                "replica_id": None if rid is None else uuid.UUID(rid),
+                "node": "" if node is None else node.name,
+                "reason": c.reason[:4000],
+            }
+        )
+    await _record_actions(session, records)
+    return nodes

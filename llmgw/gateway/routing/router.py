@@ -66,7 +66,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from llmgw.kv import PrefixIndex, block_hashes, hash64, scorable_blocks
+from llmgw.kv import DEVICE_MEDIUM, PrefixIndex, block_hashes, hash64, scorable_blocks
 from llmgw.kv.hashing import ExtraKeyFormat
 
 __all__ = [
@@ -91,6 +91,8 @@ Method = Literal["precise", "approximate", "least_loaded", "round_robin", "rando
 # hit: routed to the replica holding the longest prefix; miss: nobody holds any of it;
 # overloaded: a holder was passed over for load; none: the policy does not look at prefixes.
 Outcome = Literal["hit", "miss", "overloaded", "none"]
+# The media a precise hit is scored on (the index keeps offload tiers apart).
+_DEVICE = (DEVICE_MEDIUM,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +358,9 @@ def precise_shares(
             extra_key_format=params.extra_key_format,
         )
         hashes = [hash64(d) for d in digests[:n]]
-        scores = index.score(index_model, hashes, [c.shard for c in scored])
+        # Device blocks only: a block vLLM offloaded to host memory or storage must be loaded
+        # back before it saves any prefill, so it is no hit to route by (issue 35).
+        scores = index.score(index_model, hashes, [c.shard for c in scored], media=_DEVICE)
         for c in scored:
             s = scores[c.shard]
             if s.partial:

@@ -9,6 +9,7 @@ way whatever the GPU source.
 from llmgw.nodeagent.inventory.base import GpuSource, mig_index
 from llmgw.nodeagent.inventory.file import FileGpuSource, load_inventory_file
 from llmgw.nodeagent.inventory.host import (
+    allowed_cpus,
     check_fabrics,
     collect_inventory,
     cpu_threads,
@@ -24,6 +25,7 @@ __all__ = [
     "GpuSource",
     "NvmlGpuSource",
     "SimulatedGpuSource",
+    "allowed_cpus",
     "check_fabrics",
     "collect_inventory",
     "cpu_threads",

@@ -12,6 +12,7 @@ from llmgw.nodeagent.inventory.base import GpuSource
 from llmgw.protocol import FabricInfo, InstalledEngine, NodeInventory
 
 __all__ = [
+    "allowed_cpus",
     "check_fabrics",
     "collect_inventory",
     "cpu_threads",
@@ -22,12 +23,18 @@ __all__ = [
 SYS_INFINIBAND = Path("/sys/class/infiniband")
 
 
+def allowed_cpus() -> tuple[int, ...]:
+    """The ids of the logical CPUs this process may run on, sorted (a cgroup or taskset may
+    allow fewer than exist): what the agent picks CPU shards' cores from."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))
+
+
 def cpu_threads() -> int:
     """The logical CPUs this process may run on (a cgroup or taskset may allow fewer than exist)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return len(allowed_cpus())
 
 
 def memory_total_mb(meminfo: Path = Path("/proc/meminfo")) -> int:

@@ -43,6 +43,11 @@ class Feed:
         self.persisted_version = -1
         self.next_probe_at = 0.0  # forward-fill from replay at once, then when idle
         self.last_live_at = 0.0
+        # The mirror's num_unknown_medium_blocks already counted in the metrics, and whether
+        # the warning was logged (once per engine watched: an engine sends the medium on
+        # every store).
+        self.unknown_medium_blocks = 0
+        self.warned_unknown_medium = False
 
     def learn_block_size(self, batches: Iterable[EventBatch]) -> None:
         """The engine's GPU block size, from its first GPU store (offload events carry 0)."""

@@ -311,8 +311,31 @@ class IngestThread:
             m.malformed.inc(num_malformed)
         if num_cleared:
             m.cleared.inc(num_cleared)
+        if mirror.num_unknown_medium_blocks != feed.unknown_medium_blocks:
+            self._count_unknown_media(feed)
         if mirror.version != before:
             self._on_change()
+
+    def _count_unknown_media(self, feed: Feed) -> None:
+        """Count blocks the mirror dropped for their unknown medium (live or replayed since the
+        last count), and say so once per engine: not fatal, but a tier no router scores."""
+        mirror = feed.mirror
+        new = mirror.num_unknown_medium_blocks - feed.unknown_medium_blocks
+        feed.unknown_medium_blocks = mirror.num_unknown_medium_blocks
+        if new <= 0:
+            return
+        shard = feed.spec.shard_id
+        self._metrics.unknown_media.labels(shard=shard).inc(new)
+        if not feed.warned_unknown_medium:
+            feed.warned_unknown_medium = True
+            _log.warning(
+                "kv_unknown_medium",
+                shard=shard,
+                medium=mirror.last_unknown_medium,
+                blocks=new,
+                hint="the engine stores blocks on a tier llmgw does not know (it knows "
+                "GPU, CPU, STORAGE); they are dropped, never routed to",
+            )
 
     def _attend_subs(self) -> None:
         """Let every SUB process its commands, reading nothing: a connecting PUB is attached

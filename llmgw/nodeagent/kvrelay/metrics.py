@@ -57,6 +57,12 @@ class RelayMetrics:
             p + "replay_timeouts", "Replay requests the engine did not answer in time.",
             ["shard"], registry=registry,
         )  # fmt: skip
+        self.unknown_media = Counter(
+            p + "unknown_medium_blocks",
+            "Block hashes in events on a medium llmgw does not know (not GPU, CPU or STORAGE): "
+            "dropped, never indexed.",
+            ["shard"], registry=registry,
+        )  # fmt: skip
         self.state_errors = Counter(
             p + "state_errors", "Persisted mirrors that could not be read (started empty).",
             registry=registry,
@@ -102,7 +108,8 @@ class RelayMetrics:
         """Drop a gone shard's series so /metrics does not grow with every shard ever run."""
         self._shards.pop(shard, None)
         for metric in (self.batches, self.block_events, self.malformed, self.foreign,
-                       self.replay_timeouts, self.blocks, self.partial):  # fmt: skip
+                       self.replay_timeouts, self.blocks, self.partial,
+                       self.unknown_media):  # fmt: skip
             _remove(metric, shard)
         for outcome in ("filled", "reset"):
             _remove(self.gaps, shard, outcome)

@@ -229,10 +229,13 @@ async def test_the_sampler_loop_reads_off_the_loop_and_stops_when_told() -> None
     sampler = RoutingSampler(registry, interval_s=0.05)
     two_rows = asyncio.Event()
     sample = sampler.sample
+    samples = 0
 
     def counted(now: float, cur: rv.Snapshot | None = None) -> None:
+        nonlocal samples
         sample(now, cur)
-        if len(sampler.ring) >= 2:
+        samples += 1
+        if samples >= 2:
             two_rows.set()
 
     sampler.sample = counted  # type: ignore[method-assign]
@@ -243,7 +246,11 @@ async def test_the_sampler_loop_reads_off_the_loop_and_stops_when_told() -> None
     stop.set()
     async with asyncio.timeout(5):
         await task
-    assert sampler.ring.series(("in_flight", "rep-1"))[:2] == [2, 2]
+    # A loaded host may space two samples past twice the interval: the ring then holds a gap
+    # row (None) between them, by design. The samples themselves each read the gauge.
+    series = sampler.ring.series(("in_flight", "rep-1"))
+    assert series is not None
+    assert [v for v in series if v is not None][:2] == [2, 2]
 
 
 # --- the wire -----------------------------------------------------------------------------

@@ -118,7 +118,13 @@ def test_pages_carry_the_csp_and_no_inline_script_or_style(
         assert not re.search(r"\sstyle=|<style", r.text), path
         assert not re.search(r"\son[a-z]+=", r.text), path  # no inline event handlers
     hits = c.get("/hit-rates.json").json()
-    assert hits["summary"] == "No routing decisions yet." and hits["interval_s"] == 10
+    # Models other tests of this module declared may be listed (xdist decides which ran
+    # first on this worker), each with no decision: no request went to any gateway.
+    parts = hits["summary"].split("; ")
+    assert parts == ["No routing decisions yet."] or all(
+        p.endswith(": no decisions yet") for p in parts
+    ), hits["summary"]
+    assert hits["interval_s"] == 10
     assert hits["window_s"] == 3600  # the x axis: the ring's whole hour
     (chart,) = hits["charts"]
     assert chart["id"] == "hit-rate" and chart["series"] == []  # no decisions, no series

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tests.up.attacks import admin_input, auth, memory, parsing, tokenizing
+from tests.up.attacks import admin_input, api_routes, auth, memory, parsing, tokenizing
 
 Attack = Callable[[Any], None]
 
@@ -21,4 +21,5 @@ ATTACKS: list[Attack] = [
     *auth.ATTACKS,
     *memory.ATTACKS,
     *tokenizing.ATTACKS,
+    *api_routes.ATTACKS,
 ]
